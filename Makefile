@@ -1,0 +1,32 @@
+# Every target bootstraps what it needs: a pinned uv in .tools/ and the workspace venv in .venv/.
+PYTHON ?= python3.11
+UV_VERSION := 0.13.9
+UV := .tools/bin/uv
+export UV_PYTHON_DOWNLOADS := never
+export UV_COMPILE_BYTECODE := 1
+export UV_LINK_MODE := copy
+export UV_NO_CONFIG := 1
+RUN := $(UV) run --no-sync
+PKG_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml)
+
+.PHONY: sync test run bench clean
+sync: .venv/.synced
+
+$(UV):
+	$(PYTHON) -m venv .tools
+	.tools/bin/pip install --quiet uv==$(UV_VERSION)
+
+.venv/.synced: $(PKG_FILES) | $(UV)
+	$(UV) sync --python $(PYTHON) --all-packages --group dev --quiet
+	@touch $@
+
+test: sync
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(RUN) pytest -q
+
+clean:
+	rm -rf .venv .tools
+
+# Benchmarks print ratios measured in one process and refresh their section of BENCHMARKS.md.
+bench: sync
+	@for f in bench/train_step.py bench/sampling.py bench/sft_weighting.py; do \
+	  if [ -f $$f ]; then echo "== $$f"; $(RUN) python $$f || exit 1; fi; done

@@ -1,0 +1,179 @@
+"""Token batches: the packed view layout, the diffusion training batch and the distillation batch.
+
+All are pytrees of arrays (jit/vmap/sharding pass them through unchanged). `validate()` runs the
+static checks (ranks, shapes, dtypes) always and the value checks when the arrays are concrete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._validate import (
+    ContractError,
+    check_bool,
+    check_finite_nonneg,
+    check_float,
+    check_int,
+    check_rank,
+    check_real_or_bool,
+    check_shape,
+    is_concrete,
+)
+
+Array = jax.Array
+
+CLEAN_VIEW = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ViewLayout:
+    """A packed set of views of each sequence, all fields `[B, T]`.
+
+    `positions` is the RoPE position in the canvas (equal for a token in every view), `block_ids`
+    the canvas block, `view_ids` 0 for the clean stream and v >= 1 for noisy view v.
+    """
+
+    tokens: Array
+    positions: Array
+    block_ids: Array
+    view_ids: Array
+    valid: Array
+
+    @classmethod
+    def create(cls, tokens, positions, block_ids, view_ids, valid, *, validate: bool = True) -> ViewLayout:
+        layout = cls(
+            tokens=jnp.asarray(tokens, jnp.int32),
+            positions=jnp.asarray(positions, jnp.int32),
+            block_ids=jnp.asarray(block_ids, jnp.int32),
+            view_ids=jnp.asarray(view_ids, jnp.int32),
+            valid=jnp.asarray(valid, jnp.bool_),
+        )
+        return layout.validate() if validate else layout
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(np.shape(self.tokens))  # type: ignore[return-value]
+
+    def validate(self) -> ViewLayout:
+        owner = "ViewLayout"
+        shape = check_rank(owner, "tokens", self.tokens, 2, "B, T")
+        for name in ("tokens", "positions", "block_ids", "view_ids"):
+            check_shape(owner, name, getattr(self, name), shape, "B, T")
+            check_int(owner, name, getattr(self, name))
+        check_shape(owner, "valid", self.valid, shape, "B, T")
+        check_bool(owner, "valid", self.valid)
+        if is_concrete(self):
+            valid = np.asarray(self.valid)
+            for name in ("positions", "block_ids", "view_ids"):
+                values = np.asarray(getattr(self, name))[valid]
+                if values.size and values.min() < 0:
+                    raise ContractError(f"{owner}.{name}: expected values >= 0 at valid positions, found {values.min()}")
+        return self
+
+
+def attention_allowed(layout: ViewLayout) -> Array:
+    """The one attention rule, `[B, Tq, Tk]` bool (DESIGN.md, "View layout").
+
+    q may attend k iff both are valid and: k is clean from an earlier block; or both are clean in
+    the same block; or both belong to the same noisy view and the same block.
+    """
+    vq, vk = layout.view_ids[:, :, None], layout.view_ids[:, None, :]
+    bq, bk = layout.block_ids[:, :, None], layout.block_ids[:, None, :]
+    both_valid = layout.valid[:, :, None] & layout.valid[:, None, :]
+    earlier_clean = (vk == CLEAN_VIEW) & (bk < bq)
+    same_block_same_view = (vq == vk) & (bk == bq)
+    return both_valid & (earlier_clean | same_block_same_view)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DiffusionTokenBatch:
+    """A packed layout with target-aligned targets and per-token loss weights.
+
+    `targets[b, i]` is the clean token at position i (no shift); inactive targets are 0 with weight
+    0. `denom_weights` is what each position adds to the loss denominator (for `elbo` weighting,
+    the valid completion tokens; for `none`, the masked ones); by default `weights > 0`.
+    """
+
+    layout: ViewLayout
+    targets: Array
+    weights: Array
+    denom_weights: Array
+
+    @classmethod
+    def create(cls, layout: ViewLayout, targets, weights, denom_weights=None, *, vocab_size: int | None = None,
+               validate: bool = True) -> DiffusionTokenBatch:
+        weights = jnp.asarray(weights)
+        if weights.dtype == jnp.bool_:
+            weights = weights.astype(jnp.float32)
+        if denom_weights is None:
+            denom_weights = (weights > 0).astype(weights.dtype)
+        batch = cls(layout, jnp.asarray(targets, jnp.int32), weights, jnp.asarray(denom_weights, weights.dtype))
+        return batch.validate(vocab_size=vocab_size) if validate else batch
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.layout.shape
+
+    def validate(self, *, vocab_size: int | None = None) -> DiffusionTokenBatch:
+        owner = "DiffusionTokenBatch"
+        if not isinstance(self.layout, ViewLayout):
+            raise ContractError(f"{owner}.layout: expected a ViewLayout, got {type(self.layout).__name__}")
+        self.layout.validate()
+        shape = self.layout.shape
+        check_shape(owner, "targets", self.targets, shape, "B, T")
+        check_int(owner, "targets", self.targets)
+        for name in ("weights", "denom_weights"):
+            check_shape(owner, name, getattr(self, name), shape, "B, T")
+            check_real_or_bool(owner, name, getattr(self, name))
+        if is_concrete(self):
+            check_finite_nonneg(owner, "weights", self.weights)
+            check_finite_nonneg(owner, "denom_weights", self.denom_weights)
+            active = np.asarray(self.weights) > 0
+            targets = np.asarray(self.targets)[active]
+            if targets.size and targets.min() < 0:
+                raise ContractError(f"{owner}.targets: active targets must be >= 0, found {targets.min()}")
+            if vocab_size is not None and targets.size and targets.max() >= vocab_size:
+                raise ContractError(
+                    f"{owner}.targets: active targets must be < vocab_size={vocab_size}, found {targets.max()}"
+                )
+            if np.any(active & ~np.asarray(self.layout.valid)):
+                raise ContractError(f"{owner}.weights: positive weight on a position that layout.valid marks invalid")
+        return self
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DistillationBatch:
+    """A student diffusion batch with target-aligned teacher logits `[B, T, V]`."""
+
+    student: DiffusionTokenBatch
+    teacher_logits: Array
+
+    @classmethod
+    def create(cls, student: DiffusionTokenBatch, teacher_logits: Any, *, validate: bool = True) -> DistillationBatch:
+        batch = cls(student, jnp.asarray(teacher_logits))
+        return batch.validate() if validate else batch
+
+    def validate(self) -> DistillationBatch:
+        owner = "DistillationBatch"
+        if not isinstance(self.student, DiffusionTokenBatch):
+            raise ContractError(f"{owner}.student: expected a DiffusionTokenBatch, got {type(self.student).__name__}")
+        self.student.validate()
+        b, t = self.student.shape
+        shape = check_rank(owner, "teacher_logits", self.teacher_logits, 3, "B, T, V")
+        if shape[:2] != (b, t):
+            raise ContractError(
+                f"{owner}.teacher_logits: expected target-aligned shape ({b}, {t}, V) matching the student "
+                f"batch, got {shape}"
+            )
+        check_float(owner, "teacher_logits", self.teacher_logits)
+        if is_concrete(self.teacher_logits) and not np.all(np.isfinite(np.asarray(self.teacher_logits, np.float32))):
+            raise ContractError(f"{owner}.teacher_logits: expected finite values")
+        return self
