@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._validate import (
+    as_array,
+    as_int32,
     ContractError,
     check_bool,
     check_finite_nonneg,
@@ -48,11 +50,11 @@ class ViewLayout:
     @classmethod
     def create(cls, tokens, positions, block_ids, view_ids, valid, *, validate: bool = True) -> ViewLayout:
         layout = cls(
-            tokens=jnp.asarray(tokens, jnp.int32),
-            positions=jnp.asarray(positions, jnp.int32),
-            block_ids=jnp.asarray(block_ids, jnp.int32),
-            view_ids=jnp.asarray(view_ids, jnp.int32),
-            valid=jnp.asarray(valid, jnp.bool_),
+            tokens=as_int32(tokens),
+            positions=as_int32(positions),
+            block_ids=as_int32(block_ids),
+            view_ids=as_int32(view_ids),
+            valid=as_array(valid),
         )
         return layout.validate() if validate else layout
 
@@ -109,12 +111,13 @@ class DiffusionTokenBatch:
     @classmethod
     def create(cls, layout: ViewLayout, targets, weights, denom_weights=None, *, vocab_size: int | None = None,
                validate: bool = True) -> DiffusionTokenBatch:
-        weights = jnp.asarray(weights)
-        if weights.dtype == jnp.bool_:
-            weights = weights.astype(jnp.float32)
-        if denom_weights is None:
-            denom_weights = (weights > 0).astype(weights.dtype)
-        batch = cls(layout, jnp.asarray(targets, jnp.int32), weights, jnp.asarray(denom_weights, weights.dtype))
+        weights = as_array(weights)
+        if weights.dtype == np.bool_:
+            weights = weights.astype(np.float32)
+        denom_weights = (weights > 0) if denom_weights is None else as_array(denom_weights)
+        if jnp.issubdtype(weights.dtype, jnp.floating):
+            denom_weights = denom_weights.astype(weights.dtype)
+        batch = cls(layout, as_int32(targets), weights, denom_weights)
         return batch.validate(vocab_size=vocab_size) if validate else batch
 
     @property

@@ -19,7 +19,20 @@ def is_concrete(*values: Any) -> bool:
 
 
 def dtype_of(value: Any) -> np.dtype:
-    return np.dtype(getattr(value, "dtype", np.asarray(value).dtype))
+    dtype = getattr(value, "dtype", None)
+    return np.dtype(dtype if dtype is not None else np.asarray(value).dtype)
+
+
+def as_array(value: Any) -> Any:
+    """JAX arrays (and tracers) stay as they are; anything else becomes numpy, so host batches stay
+    on the host until the trainer places them."""
+    return value if isinstance(value, jax.Array) else np.asarray(value)
+
+
+def as_int32(value: Any) -> Any:
+    """Integer arrays become int32; anything else is left for validation to reject by name."""
+    arr = as_array(value)
+    return arr.astype(np.int32) if jnp.issubdtype(arr.dtype, jnp.integer) else arr
 
 
 def check_rank(owner: str, name: str, value: Any, rank: int, dims: str) -> tuple[int, ...]:
