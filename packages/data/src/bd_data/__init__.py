@@ -1,1 +1,41 @@
-"""bd_data."""
+"""bd_data: tokenizers, verifiable tasks, the block-aligned canvas, masking corruption and grain pipelines.
+
+Produces numpy `bd_core.DiffusionTokenBatch`es in the SFT layout and left-padded prompt batches
+for rollouts. Depends on bd_core, numpy, grain and tokenizers.
+"""
+
+from ._canvas import Canvas as Canvas
+from ._canvas import CanvasConfig as CanvasConfig
+from ._canvas import CanvasOverflow as CanvasOverflow
+from ._canvas import build_canvas as build_canvas
+from ._canvas import fit_to_canvas as fit_to_canvas
+from ._canvas import prompt_canvas as prompt_canvas
+from ._corruption import DEFAULT_CORRUPTION as DEFAULT_CORRUPTION
+from ._corruption import CorruptionConfig as CorruptionConfig
+from ._corruption import corrupt as corrupt
+from ._corruption import sample_t as sample_t
+from ._example import Example as Example
+from ._jsonl import JsonlError as JsonlError
+from ._jsonl import JsonlSource as JsonlSource
+from ._jsonl import OverlongReport as OverlongReport
+from ._jsonl import load_jsonl as load_jsonl
+from ._pipeline import PromptBatch as PromptBatch
+from ._pipeline import iterate as iterate
+from ._pipeline import prompt_dataset as prompt_dataset
+from ._pipeline import sft_dataset as sft_dataset
+from ._tasks import DEFAULT_TASK as DEFAULT_TASK
+from ._tasks import PARTIAL_CREDIT as PARTIAL_CREDIT
+from ._tasks import TASKS as TASKS
+from ._tasks import AdditionLSDTask as AdditionLSDTask
+from ._tasks import AdditionTask as AdditionTask
+from ._tasks import ArgsortTask as ArgsortTask
+from ._tasks import SortTask as SortTask
+from ._tasks import Task as Task
+from ._tasks import TaskSource as TaskSource
+from ._tasks import get_task as get_task
+from ._tokenizer import ByteTokenizer as ByteTokenizer
+from ._tokenizer import HFTokenizer as HFTokenizer
+from ._tokenizer import Tokenizer as Tokenizer
+from ._tokenizer import TokenizerError as TokenizerError
+
+__version__ = "0.1.0"

@@ -1,0 +1,125 @@
+"""User data from JSONL: one `{"prompt": ..., "completion": ...}` object per line.
+
+Every error names the file and the line. Over-long examples (measured with the tokenizer against
+the canvas) raise by default; `truncate` and `skip` are counted and reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from ._canvas import OVERLONG_POLICIES, CanvasConfig, CanvasOverflow, fit_to_canvas
+from ._example import Example
+
+FIELDS = ("prompt", "completion")
+
+
+class JsonlError(ValueError):
+    """A JSONL record that cannot be used; the message starts with `file:line:`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlongReport:
+    """What the over-long policy did: line numbers (1-based) truncated or skipped."""
+
+    policy: str
+    truncated_lines: tuple[int, ...] = ()
+    skipped_lines: tuple[int, ...] = ()
+
+    @property
+    def truncated(self) -> int:
+        return len(self.truncated_lines)
+
+    @property
+    def skipped(self) -> int:
+        return len(self.skipped_lines)
+
+    def summary(self) -> str:
+        return f"over-long policy {self.policy!r}: {self.truncated} truncated, {self.skipped} skipped"
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonlSource(Sequence):
+    """The loaded examples (a grain `MapDataset` source), their line numbers and the report."""
+
+    path: Path
+    examples: tuple[Example, ...]
+    lines: tuple[int, ...]
+    report: OverlongReport
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> Example:
+        return self.examples[index]
+
+
+def _record(path: Path, number: int, raw: bytes) -> tuple[str, str] | None:
+    where = f"{path}:{number}"
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise JsonlError(f"{where}: not valid UTF-8 (byte {err.start} of the line); re-encode the file as UTF-8") from None
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise JsonlError(f"{where}: invalid JSON ({err.msg} at column {err.colno}); each line must be one JSON object") from None
+    except RecursionError:
+        raise JsonlError(f"{where}: invalid JSON (nested too deeply); each line must be one flat JSON object") from None
+    if not isinstance(record, dict):
+        raise JsonlError(f"{where}: expected a JSON object with fields {list(FIELDS)}, got {type(record).__name__}")
+    values = []
+    for field in FIELDS:
+        if field not in record:
+            raise JsonlError(f"{where}: missing field {field!r}; every record needs {list(FIELDS)}")
+        value = record[field]
+        if not isinstance(value, str):
+            raise JsonlError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
+        if not value.strip():
+            raise JsonlError(f"{where}: field {field!r} is empty; remove the record or give it text")
+        values.append(value)
+    return values[0], values[1]
+
+
+def load_jsonl(path: str | Path, *, tokenizer=None, canvas: CanvasConfig | None = None,
+               overlong: str = "error") -> JsonlSource:
+    """Load and check every record; with `tokenizer` and `canvas`, apply the over-long policy
+    (`error`, `truncate` or `skip`) and keep the token ids of each example."""
+    path = Path(path)
+    if overlong not in OVERLONG_POLICIES:
+        raise ValueError(f"load_jsonl overlong: expected one of {OVERLONG_POLICIES}, got {overlong!r}")
+    if (tokenizer is None) != (canvas is None):
+        raise ValueError("load_jsonl: pass both tokenizer= and canvas= (to check lengths) or neither")
+    if overlong != "error" and canvas is None:
+        raise ValueError(f"load_jsonl overlong={overlong!r} needs tokenizer= and canvas= to measure lengths")
+    if not path.is_file():
+        raise JsonlError(f"{path}: no such file; pass the path of a JSONL file with {list(FIELDS)} per line")
+    examples, lines, truncated, skipped = [], [], [], []
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            record = _record(path, number, raw.rstrip(b"\r\n"))
+            if record is None:
+                continue
+            prompt, completion = record
+            prompt_ids = answer_ids = None
+            if canvas is not None:
+                try:
+                    fitted = fit_to_canvas(tokenizer.encode(prompt), tokenizer.encode(completion), canvas, overlong)
+                except CanvasOverflow as err:
+                    raise JsonlError(f"{path}:{number}: {err}; or load with overlong='truncate' or 'skip'") from None
+                if fitted is None:
+                    skipped.append(number)
+                    continue
+                prompt_ids, answer_ids, was_truncated = fitted
+                if was_truncated:
+                    truncated.append(number)
+            examples.append(Example(prompt, completion, len(examples), prompt_ids, answer_ids))
+            lines.append(number)
+    if not examples:
+        raise JsonlError(f"{path}: no usable records ({len(skipped)} skipped as over-long); the file needs at least one")
+    return JsonlSource(path, tuple(examples), tuple(lines), OverlongReport(overlong, tuple(truncated), tuple(skipped)))

@@ -1,0 +1,128 @@
+"""Tokenizers behind one small protocol: a file-free byte tokenizer and a `tokenizer.json` adapter.
+
+Both expose the special ids the canvas and sampler need (pad, mask, eos) and an `identity` string
+that goes into model fingerprints, so a checkpoint cannot be reused with a different vocabulary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded or lacks a special token the canvas needs."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What bd_data needs from a tokenizer. `encode` adds no special tokens."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def pad_id(self) -> int: ...
+    @property
+    def mask_id(self) -> int: ...
+    @property
+    def eos_id(self) -> int: ...
+    @property
+    def identity(self) -> str: ...
+    def encode(self, text: str) -> np.ndarray: ...
+    def decode(self, ids, *, stop_at_eos: bool = True) -> str: ...
+
+
+def _cut(ids, eos_id: int, stop_at_eos: bool) -> list[int]:
+    ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+    if stop_at_eos and eos_id in ids:
+        ids = ids[: ids.index(eos_id)]
+    return ids
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; then pad 256, mask 257, eos 258 (and bos 259 if asked).
+
+    Decoding drops special ids, cuts at the first eos (text after a stop id is never part of a
+    completion) and replaces invalid UTF-8, so any id sequence decodes without raising.
+    """
+
+    PAD, MASK, EOS, BOS = 256, 257, 258, 259
+
+    def __init__(self, *, with_bos: bool = False):
+        self.with_bos = bool(with_bos)
+
+    vocab_size = property(lambda self: 260 if self.with_bos else 259)
+    pad_id = property(lambda self: self.PAD)
+    mask_id = property(lambda self: self.MASK)
+    eos_id = property(lambda self: self.EOS)
+    bos_id = property(lambda self: self.BOS if self.with_bos else None)
+    identity = property(lambda self: "bytes-v1+bos" if self.with_bos else "bytes-v1")
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids, *, stop_at_eos: bool = True) -> str:
+        kept = bytes(i for i in _cut(ids, self.EOS, stop_at_eos) if 0 <= i < 256)
+        return kept.decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return f"ByteTokenizer(with_bos={self.with_bos})"
+
+
+class HFTokenizer:
+    """A local HF `tokenizer.json`; the identity carries a hash of the file's bytes.
+
+    `mask_token` and `eos_token` must be in the vocabulary; `pad_token` falls back to the eos token
+    when the file has none (padding is always marked invalid, so its id never matters).
+    """
+
+    def __init__(self, path: str | Path, *, mask_token: str = "<|mask|>", eos_token: str = "<|endoftext|>",
+                 pad_token: str | None = "<|pad|>"):
+        from tokenizers import Tokenizer as _HF
+
+        path = Path(path)
+        if not path.is_file():
+            raise TokenizerError(
+                f"tokenizer file {str(path)!r} does not exist; pass the path of a local tokenizer.json "
+                f"(or use ByteTokenizer(), which needs no file)"
+            )
+        raw = path.read_bytes()
+        try:
+            self._tok = _HF.from_str(raw.decode("utf-8"))
+        except Exception as err:  # tokenizers raises its own exception type for malformed files
+            raise TokenizerError(f"tokenizer file {str(path)!r} is not a valid tokenizer.json: {err}") from err
+        self.path = path
+        self._digest = hashlib.sha256(raw).hexdigest()[:16]
+        self._mask = self._require(mask_token, "mask_token", path)
+        self._eos = self._require(eos_token, "eos_token", path)
+        pad = self._tok.token_to_id(pad_token) if pad_token is not None else None
+        self._pad = self._eos if pad is None else int(pad)
+
+    def _require(self, token: str, field: str, path: Path) -> int:
+        token_id = self._tok.token_to_id(token)
+        if token_id is None:
+            raise TokenizerError(
+                f"tokenizer file {str(path)!r} has no {field} {token!r}; add it as a special token "
+                f"(tokenizer.add_special_tokens([{token!r}]) and save), or pass {field}= with a token it has"
+            )
+        return int(token_id)
+
+    vocab_size = property(lambda self: int(self._tok.get_vocab_size(with_added_tokens=True)))
+    pad_id = property(lambda self: self._pad)
+    mask_id = property(lambda self: self._mask)
+    eos_id = property(lambda self: self._eos)
+    identity = property(lambda self: f"hf-{self._digest}")
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def decode(self, ids, *, stop_at_eos: bool = True) -> str:
+        specials = {self._pad, self._mask, self._eos}
+        kept = [i for i in _cut(ids, self._eos, stop_at_eos) if i not in specials and 0 <= i < self.vocab_size]
+        return self._tok.decode(kept, skip_special_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.path)!r}, identity={self.identity!r})"
