@@ -1,0 +1,222 @@
+"""The compile-once block-diffusion sampler with exact denoising traces.
+
+Block by block over a left-padded canvas: each step samples every masked position of the block
+from `sampling_logprobs`, commits a confident set and records it (`DiffusionTrace`). The clean
+commit of block j-1 rides in the first step of block j, so a block costs only its denoising steps.
+Legend: B batch, P prompt length, N new tokens, b block size, S trace steps, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray
+
+from bd_core import CLEAN_VIEW, DiffusionTrace, RolloutOutput, ViewLayout
+
+from ._sampler_config import SamplerConfig, SamplerConfigError
+from ._sampling_dist import confidence, sampling_logprobs, token_logprob
+
+NOISY_VIEW = 1
+
+
+def _layout(tokens, positions, block_ids, view_id: int, valid) -> ViewLayout:
+    shape = tokens.shape
+    return ViewLayout(
+        tokens=tokens.astype(jnp.int32),
+        positions=jnp.broadcast_to(positions, shape).astype(jnp.int32),
+        block_ids=jnp.broadcast_to(block_ids, shape).astype(jnp.int32),
+        view_ids=jnp.full(shape, view_id, jnp.int32),
+        valid=jnp.broadcast_to(valid, shape),
+    )
+
+
+def concat_layouts(*layouts: ViewLayout) -> ViewLayout:
+    return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs, axis=1), *layouts)
+
+
+class _Canvas(eqx.Module):
+    """The uncached reference's stand-in for a KV cache: the committed clean canvas itself."""
+
+    tokens: Array
+    valid: Array
+
+
+class RecomputeModel(eqx.Module):
+    """Wraps a model so that `forward_cached` reruns the full packed layout (clean canvas + chunk)
+    through `model(layout)`: the reference the KV cache must match, and its speed baseline."""
+
+    model: Any
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def init_cache(self, batch_size: int, max_len: int) -> _Canvas:
+        return _Canvas(jnp.zeros((batch_size, max_len), jnp.int32), jnp.zeros((batch_size, max_len), bool))
+
+    def forward_cached(self, chunk: ViewLayout, cache: _Canvas, *, commit=None):
+        batch, length = cache.tokens.shape
+        positions = jnp.arange(length, dtype=jnp.int32)
+        clean = _layout(cache.tokens, positions, positions // self.config.block_size, CLEAN_VIEW, cache.valid)
+        logits = self.model(concat_layouts(clean, chunk))[:, length:]
+        if commit is not None:
+            rows = jnp.arange(batch)[:, None]
+            slots = jnp.where(commit, chunk.positions, length)  # out of range: dropped
+            cache = _Canvas(cache.tokens.at[rows, slots].set(chunk.tokens, mode="drop"),
+                            cache.valid.at[rows, slots].set(True, mode="drop"))
+        return logits, cache
+
+
+class _Trace(NamedTuple):
+    block_ids: Array  # [B, S]
+    committed: Array  # [B, S, b]
+    tokens: Array  # [B, S, b]
+    logprobs: Array  # [B, S, b]
+    step_valid: Array  # [B, S]
+
+    @classmethod
+    def empty(cls, batch: int, steps: int, block: int) -> _Trace:
+        return cls(jnp.zeros((batch, steps), jnp.int32), jnp.zeros((batch, steps, block), bool),
+                   jnp.zeros((batch, steps, block), jnp.int32), jnp.zeros((batch, steps, block), jnp.float32),
+                   jnp.zeros((batch, steps), bool))
+
+    def record(self, s, block_id, committed, tokens, logprobs, live) -> _Trace:
+        return _Trace(
+            self.block_ids.at[:, s].set(jnp.where(live, block_id, 0)),
+            self.committed.at[:, s].set(committed),
+            self.tokens.at[:, s].set(jnp.where(committed, tokens, 0)),
+            self.logprobs.at[:, s].set(jnp.where(committed, logprobs, 0.0)),
+            self.step_valid.at[:, s].set(live),
+        )
+
+
+class _Block(NamedTuple):
+    """Per-block state of the denoising loop."""
+
+    step: Array  # scalar int32
+    tokens: Array  # [B, b] committed tokens, mask_id elsewhere
+    masked: Array  # [B, b]
+    trace: _Trace
+    nfe: Array  # [B]
+
+
+def _commit_set(conf, masked, step, config: SamplerConfig):
+    """Which masked positions to commit this step (`[B, b]`): the strategy, then the last-step rule."""
+    b = config.block_size
+    conf = jnp.where(masked, conf, -jnp.inf)
+    if config.strategy == "threshold":
+        best = jax.nn.one_hot(jnp.argmax(conf, axis=-1), b, dtype=bool)
+        pick = (conf >= config.threshold) | best
+    else:
+        steps = config.steps_cap
+        counts = jnp.asarray([b // steps + (i < b % steps) for i in range(steps)], jnp.int32)
+        rank = jnp.argsort(jnp.argsort(-conf, axis=-1, stable=True), axis=-1, stable=True)
+        pick = rank < counts[step]
+    return masked & (pick | (step == config.steps_cap - 1))
+
+
+def _generate(model, prompt_tokens, prompt_valid, key, config: SamplerConfig):
+    batch, prompt_len = prompt_tokens.shape
+    b, n_blocks, cap = config.block_size, config.num_blocks, config.steps_cap
+    first_block = prompt_len // b
+    offsets = jnp.arange(b, dtype=jnp.int32)
+    cache = model.init_cache(batch, prompt_len + config.max_new_tokens)
+    nfe = jnp.zeros((batch,), jnp.int32)
+    if prompt_len > b:  # the last prompt block is committed by the first denoising step instead
+        head = prompt_len - b
+        positions = jnp.arange(head, dtype=jnp.int32)
+        prefill = _layout(prompt_tokens[:, :head], positions, positions // b, CLEAN_VIEW, prompt_valid[:, :head])
+        _, cache = model.forward_cached(prefill, cache, commit=prefill.valid)
+        nfe = nfe + 1
+
+    def denoise(state: _Block, logits, j, live) -> _Block:
+        step_key = jax.random.fold_in(jax.random.fold_in(key, j), state.step)
+        logp = sampling_logprobs(logits, **config.distribution_kwargs())
+        tokens = jax.random.categorical(step_key, logp, axis=-1).astype(jnp.int32)
+        commit = _commit_set(confidence(logp, tokens, config.confidence), state.masked, state.step, config)
+        commit = commit & live[:, None]
+        trace = state.trace.record(j * cap + state.step, first_block + j, commit, tokens,
+                                   token_logprob(logp, tokens), live)
+        return _Block(state.step + 1, jnp.where(commit, tokens, state.tokens), state.masked & ~commit, trace,
+                      state.nfe + live.astype(jnp.int32))
+
+    def block_body(carry):
+        j, cache, canvas, canvas_valid, done, prev_tokens, prev_valid, trace, nfe = carry
+        active = ~done
+        block_id = first_block + j
+        positions = prompt_len + j * b + offsets
+        noisy = lambda toks: _layout(toks, positions, block_id, NOISY_VIEW, True)  # noqa: E731
+        state = _Block(jnp.int32(0), jnp.full((batch, b), config.mask_id, jnp.int32),
+                       jnp.ones((batch, b), bool), trace, nfe)
+        # step 0 also writes the previous block's clean K/V: [clean block j-1 | noisy block j]
+        clean_prev = _layout(prev_tokens, positions - b, block_id - 1, CLEAN_VIEW, prev_valid)
+        chunk = concat_layouts(clean_prev, noisy(state.tokens))
+        logits, cache = model.forward_cached(chunk, cache, commit=jnp.concatenate(
+            [prev_valid, jnp.zeros((batch, b), bool)], axis=1))
+        state = denoise(state, logits[:, b:], j, active)
+
+        def live(s: _Block):
+            return active & jnp.any(s.masked, axis=-1)
+
+        def step_body(s: _Block) -> _Block:
+            logits, _ = model.forward_cached(noisy(s.tokens), cache)
+            return denoise(s, logits, j, live(s))
+
+        state = jax.lax.while_loop(lambda s: (s.step < cap) & jnp.any(live(s)), step_body, state)
+        block = jnp.where(active[:, None], state.tokens, config.pad_id)
+        canvas = jax.lax.dynamic_update_slice_in_dim(canvas, block, j * b, axis=1)
+        canvas_valid = jax.lax.dynamic_update_slice_in_dim(
+            canvas_valid, jnp.broadcast_to(active[:, None], (batch, b)), j * b, axis=1)
+        if config.stop_ids:
+            stopped = jnp.any(jnp.isin(state.tokens, jnp.asarray(config.stop_ids, jnp.int32)), axis=-1)
+            done = done | (stopped & active)
+        prev_valid = jnp.broadcast_to(active[:, None], (batch, b))
+        return (j + 1, cache, canvas, canvas_valid, done, state.tokens, prev_valid, state.trace, state.nfe)
+
+    carry = (jnp.int32(0), cache,
+             jnp.full((batch, config.max_new_tokens), config.pad_id, jnp.int32),
+             jnp.zeros((batch, config.max_new_tokens), bool), jnp.zeros((batch,), bool),
+             prompt_tokens[:, -b:], prompt_valid[:, -b:], _Trace.empty(batch, n_blocks * cap, b), nfe)
+    carry = jax.lax.while_loop(lambda c: (c[0] < n_blocks) & ~jnp.all(c[4]), block_body, carry)
+    _, _, canvas, canvas_valid, _, _, _, trace, nfe = carry
+    return RolloutOutput(prompt_tokens, prompt_valid, canvas, canvas_valid, nfe, trace=DiffusionTrace(*trace))
+
+
+_generate_jit = eqx.filter_jit(_generate)
+
+
+def sample(
+    model,
+    prompts: tuple[Int[ArrayLike, "B P"], Bool[ArrayLike, "B P"]],
+    config: SamplerConfig,
+    *,
+    key: PRNGKeyArray,
+    use_cache: bool = True,
+) -> RolloutOutput:
+    """Generate `config.max_new_tokens` after each left-padded prompt, with an exact trace.
+
+    `prompts` is `(tokens [B, P] int32, valid [B, P] bool)`, P a multiple of the block size.
+    Compiled once per (B, P, config); the model is traced, so new weights do not recompile.
+    `use_cache=False` reruns the whole canvas every step (the reference and speed baseline).
+    The trace's `block_ids` are canvas blocks (`position // block_size`); `nfe[r]` counts the
+    forward passes in which row r took part (prefill included).
+    """
+    prompt_tokens, prompt_valid = (jnp.asarray(prompts[0], jnp.int32), jnp.asarray(prompts[1], bool))
+    if prompt_tokens.ndim != 2 or prompt_valid.shape != prompt_tokens.shape:
+        raise ValueError(f"sample: prompts must be (tokens [B, P], valid [B, P]) of one shape, got "
+                         f"{prompt_tokens.shape} and {prompt_valid.shape}")
+    model_config = model.config
+    if model_config.block_size != config.block_size:
+        raise SamplerConfigError(f"SamplerConfig.block_size: {config.block_size} differs from the model's "
+                                 f"block_size={model_config.block_size}; set them equal")
+    config.check_vocab(model_config.vocab_size)
+    prompt_len = prompt_tokens.shape[1]
+    if prompt_len < config.block_size or prompt_len % config.block_size:
+        raise ValueError(f"sample: prompt length {prompt_len} must be a positive multiple of block_size="
+                         f"{config.block_size}; left-pad the prompts (valid=False) to such a length")
+    engine = model if use_cache else RecomputeModel(model)
+    return _generate_jit(engine, prompt_tokens, prompt_valid, key, config)
