@@ -1,0 +1,121 @@
+"""Strict loading of nested frozen dataclasses from TOML/dicts, with errors that name the key.
+
+Every config in bdlm is a frozen dataclass that validates itself on construction; this module
+turns user text into them and turns every mistake (unknown key, wrong type, failed invariant)
+into one `ConfigError` naming the file, the dotted key and what would fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user config that cannot be used; the message names the key and the fix."""
+
+
+def _origin(tp: Any) -> Any:
+    return typing.get_origin(tp) or tp
+
+
+def _check_type(value: Any, tp: Any, where: str) -> Any:
+    if tp is Any:
+        return value
+    origin = _origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(tp):
+            try:
+                return _check_type(value, option, where)
+            except ConfigError as err:
+                errors.append(str(err))
+        names = " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(tp))
+        raise ConfigError(f"{where}: expected {names}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{where}: expected nothing (omit the key), got {value!r}")
+    if origin is typing.Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{where}: expected one of {list(typing.get_args(tp))}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a table of settings, got {value!r}")
+        return build(tp, value, where)
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        item = args[0] if args else Any
+        items = [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp in (str, bool):
+        if isinstance(value, tp):
+            return value
+        raise ConfigError(f"{where}: expected a {tp.__name__}, got {value!r}")
+    return value
+
+
+def build(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
+    """Construct dataclass `cls` from `data`, rejecting unknown keys and wrong types by name."""
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    prefix = f"{where}." if where else ""
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{prefix}{unknown[0]}: unknown key{'s ' + str(unknown) if len(unknown) > 1 else ''}; "
+            f"valid keys for [{where or 'top level'}] are {sorted(fields)}"
+        )
+    kwargs = {name: _check_type(value, hints[name], f"{prefix}{name}") for name, value in data.items()}
+    missing = [name for name, f in fields.items() if name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{prefix}{missing[0]}: required key is missing from [{where or 'top level'}]")
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:  # raised by our own sections with the field's relative name
+        raise ConfigError(f"{prefix}{err}") from None
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"[{where or 'top level'}] {err}") from err
+
+
+def load_toml(cls: type, path: str | Path) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a TOML preset "
+                          f"(see flows/configs/)")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from err
+    try:
+        return build(cls, data)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from err
+
+
+def to_dict(config: Any) -> Any:
+    """Plain JSON-ready values of a (nested) dataclass config."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, (list, tuple)):
+        return [to_dict(v) for v in config]
+    if isinstance(config, Mapping):
+        return {k: to_dict(v) for k, v in config.items()}
+    return config

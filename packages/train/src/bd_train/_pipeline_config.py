@@ -1,0 +1,233 @@
+"""The pipeline's run config: one frozen dataclass per component, composed into `PipelineConfig`.
+
+A preset TOML has one table per field of `PipelineConfig`; unknown keys, wrong types and broken
+invariants fail on load with the key named. Model sizes come without vocab and block size: those
+follow the tokenizer and the canvas, so teacher and student agree on them by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+from bd_data import CanvasConfig, CorruptionConfig
+
+from ._config_io import ConfigError, build, to_dict
+
+
+# Section invariants name the field relative to the section; `build` prefixes the section's path.
+def _positive(**values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ConfigError(f"{name}: expected a value > 0, got {value!r}")
+
+
+def _nonneg(**values: float) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise ConfigError(f"{name}: expected a value >= 0, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSection:
+    """A built-in task (`name` + `params`) or the user's JSONL files (`train_jsonl`, `eval_jsonl`)."""
+
+    name: str = "argsort"
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    seed: int = 0
+    train_jsonl: str | None = None
+    eval_jsonl: str | None = None
+    overlong: Literal["error", "truncate", "skip"] = "error"
+
+    def __post_init__(self):
+        for name in ("train_jsonl", "eval_jsonl"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{name}: file {path!r} does not exist; give the path of a JSONL file "
+                                  f"with one {{\"prompt\": ..., \"completion\": ...}} object per line")
+        if (self.train_jsonl is None) != (self.eval_jsonl is None):
+            raise ConfigError("train_jsonl / eval_jsonl: give both (training and held-out data) or neither")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSection:
+    """The byte-level tokenizer (default), or a local HF `tokenizer.json` with a mask token."""
+
+    path: str | None = None
+
+    def __post_init__(self):
+        if self.path is not None and not Path(self.path).is_file():
+            raise ConfigError(f"path: file {self.path!r} does not exist; give a local tokenizer.json "
+                              f"or remove the key to use the byte tokenizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Architecture sizes; vocab and block size come from the tokenizer and canvas."""
+
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    d_ff: int | None = None
+    attention: Literal["dense", "blocked", "shard_map"] = "blocked"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    checkpoint: str | None = None  # start from this SFT checkpoint folder instead of training
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return dict(d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
+                    n_kv_heads=self.n_kv_heads or self.n_heads, d_ff=self.d_ff or 4 * self.d_model,
+                    attention=self.attention, param_dtype=self.param_dtype, compute_dtype=self.compute_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSection:
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+    b2: float = 0.99
+
+    def __post_init__(self):
+        _positive(lr=self.lr, clip_norm=self.clip_norm)
+        _nonneg(warmup_steps=self.warmup_steps, weight_decay=self.weight_decay)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSection:
+    """Rollout/eval decoding (lengths, mask/pad and stop ids follow the canvas and tokenizer)."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    strategy: Literal["threshold", "steps"] = "threshold"
+    threshold: float = 0.9
+    steps_per_block: int | None = None
+    max_steps_per_block: int | None = None
+    confidence: Literal["probability", "margin", "entropy"] = "probability"
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTSection:
+    steps: int = 600
+    batch_size: int = 128
+    microbatches: int = 1
+    teacher_steps: int | None = None  # the teacher may train longer than the student
+    optim: OptimSection = OptimSection()
+    corruption: CorruptionConfig = CorruptionConfig()
+
+    def __post_init__(self):
+        _positive(steps=self.steps, batch_size=self.batch_size, microbatches=self.microbatches)
+        if self.batch_size % self.microbatches:
+            raise ConfigError(f"microbatches: {self.microbatches} does not divide batch_size={self.batch_size}")
+
+    def steps_for(self, role: str) -> int:
+        return self.teacher_steps if role == "teacher" and self.teacher_steps else self.steps
+
+
+@dataclasses.dataclass(frozen=True)
+class OPDSection:
+    steps: int = 100
+    prompts_per_step: int = 64
+    kl_temperature: float = 1.0
+    hard_ce_weight: float = 0.0
+    positions: Literal["committed", "masked"] = "masked"
+    optim: OptimSection = OptimSection(lr=1e-3, warmup_steps=5)
+    sampler: SamplerSection = SamplerSection(temperature=1.0)
+
+    def __post_init__(self):
+        _positive(steps=self.steps, prompts_per_step=self.prompts_per_step, kl_temperature=self.kl_temperature)
+        _nonneg(hard_ce_weight=self.hard_ce_weight)
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOSection:
+    steps: int = 40
+    prompts_per_step: int = 16
+    group_size: int = 8
+    updates_per_rollout: int = 2
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    ratio: Literal["token", "gspo-token"] = "token"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.28
+    beta: float = 0.0
+    optim: OptimSection = OptimSection(lr=5e-4, warmup_steps=0)
+    sampler: SamplerSection = SamplerSection(temperature=1.0)
+
+    def __post_init__(self):
+        _positive(steps=self.steps, prompts_per_step=self.prompts_per_step,
+                  updates_per_rollout=self.updates_per_rollout)
+        if self.group_size < 2:
+            raise ConfigError(f"group_size: expected >= 2 (advantages compare samples of one prompt), "
+                              f"got {self.group_size}")
+        _nonneg(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, beta=self.beta)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+    n: int = 256
+    batch_size: int = 256
+    samples_shown: int = 8
+    sampler: SamplerSection = SamplerSection(temperature=0.0)
+
+    def __post_init__(self):
+        _positive(n=self.n, batch_size=self.batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSection:
+    seed: int = 0
+    output_dir: str = "runs"
+    project: str = "bdlm"
+    checkpoint_every: int = 100
+    max_to_keep: int = 2
+    log_every: int = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    task: TaskSection = TaskSection()
+    tokenizer: TokenizerSection = TokenizerSection()
+    canvas: CanvasConfig = CanvasConfig()
+    teacher: ModelSection = ModelSection(d_model=96, n_layers=3)
+    student: ModelSection = ModelSection(d_model=48, n_layers=2)
+    sft: SFTSection = SFTSection()
+    opd: OPDSection = OPDSection()
+    grpo: GRPOSection = GRPOSection()
+    eval: EvalSection = EvalSection()
+    run: RunSection = RunSection()
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+
+def parse_pipeline_config(text: str | dict) -> dict[str, Any]:
+    """Validate a preset (TOML text or a dict) and return its full plain form, defaults filled in."""
+    import tomllib
+
+    if isinstance(text, str):
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"the config is not valid TOML: {err}") from err
+    else:
+        data = dict(text)
+    return build(PipelineConfig, data).to_dict()
+
+
+def pipeline_config(data: Any) -> PipelineConfig:
+    """The typed config from the plain form that `parse_pipeline_config` returned (or a Metaflow Config)."""
+    if isinstance(data, PipelineConfig):
+        return data
+    return build(PipelineConfig, _plain(data))
+
+
+def _plain(data: Any) -> Any:
+    if hasattr(data, "items"):
+        return {k: _plain(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_plain(v) for v in data]
+    return data

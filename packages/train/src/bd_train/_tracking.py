@@ -1,0 +1,76 @@
+"""W&B tracking: one run per pipeline stage, offline unless the user opts in.
+
+W&B writes caches and settings outside its `dir` unless every one of its folder variables points
+inside the run folder, so `Tracker` sets them all before `wandb.init`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def wandb_mode() -> str:
+    """`WANDB_MODE` if the user set it; online when a key is configured; offline otherwise."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+def _scalar(value: Any) -> float | int | Any:
+    if isinstance(value, (np.ndarray, np.generic)) or hasattr(value, "__array__"):
+        arr = np.asarray(value)
+        if arr.ndim == 0:
+            return arr.item()
+    return value
+
+
+class Tracker:
+    """A W&B run for one stage: `group` is the pipeline run, `job_type` the stage."""
+
+    def __init__(self, *, root: str | Path, project: str, stage: str, group: str, config: Mapping[str, Any],
+                 name: str | None = None, mode: str | None = None):
+        import wandb  # heavy import, only where tracking is used
+
+        self.dir = Path(root).resolve()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for var, sub in (("WANDB_DIR", ""), ("WANDB_CACHE_DIR", ".cache"), ("WANDB_DATA_DIR", ".data"),
+                         ("WANDB_CONFIG_DIR", ".config")):
+            path = self.dir / sub
+            path.mkdir(parents=True, exist_ok=True)
+            os.environ[var] = str(path)
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.mode = mode or wandb_mode()
+        self._wandb = wandb
+        self.run = wandb.init(
+            project=project, group=group, job_type=stage, name=name or f"{group}-{stage}",
+            config=dict(config), dir=str(self.dir), mode=self.mode, reinit="create_new",
+        )
+
+    @property
+    def run_dir(self) -> Path | None:
+        return Path(self.run.dir).parent if self.run is not None and self.run.dir else None
+
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
+        self.run.log({key: _scalar(value) for key, value in metrics.items()}, step=int(step))
+
+    def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, step: int | None = None) -> None:
+        table = self._wandb.Table(columns=list(columns), data=[list(map(_scalar, row)) for row in rows])
+        self.run.log({name: table}, step=step)
+
+    def summary(self, values: Mapping[str, Any]) -> None:
+        for key, value in values.items():
+            self.run.summary[key] = _scalar(value)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finish()
