@@ -9,6 +9,8 @@ constant per-token loss c therefore estimates c * (1 + E_t[(1 - t)^n / (n t)]) r
 for n = 4 that factor is 1.164 on t ~ U[0.1, 1], 1.042 on U[0.3, 0.8] and 2.21 on U[1e-3, 1]
 (`test_corruption.py` checks these numbers against sampled batches). Under `none` weighting
 the loss is a ratio over masked tokens and stays exactly c; only the effective mask rate rises.
+Clipping t is free for the linear schedule (E[weighted count | t] = n for every t) but not for
+cosine, whose clipped estimate is c * (alpha(t_min) - alpha(t_max)) / (t_max - t_min).
 """
 
 from __future__ import annotations
