@@ -1,1 +1,24 @@
-"""bd_models."""
+"""bd_models: the Equinox block-diffusion decoder, its attention implementations, sharding,
+KV cache and FLOP counts. Depends on bd_core only.
+"""
+
+from ._attention import blocked_attention as blocked_attention
+from ._attention import dense_attention as dense_attention
+from ._attention import sharded_attention as sharded_attention
+from ._cache import KVCache as KVCache
+from ._config import ConfigError as ConfigError
+from ._config import ModelConfig as ModelConfig
+from ._layers import DecoderLayer as DecoderLayer
+from ._mask import TokenMeta as TokenMeta
+from ._mask import allowed as allowed
+from ._mask import tile_needed as tile_needed
+from ._flops import attention_entries as attention_entries
+from ._flops import model_flops as model_flops
+from ._model import BlockDiffusionLM as BlockDiffusionLM
+from ._sharding import batch_sharding as batch_sharding
+from ._sharding import make_mesh as make_mesh
+from ._sharding import param_partition_specs as param_partition_specs
+from ._sharding import shard_batch as shard_batch
+from ._sharding import shard_model as shard_model
+
+__version__ = "0.1.0"

@@ -1,0 +1,98 @@
+"""The decoder layer (RMSNorm, GQA projections with RoPE, SwiGLU MLP) and its pieces.
+
+A layer's arrays are unbatched here; the model stacks `n_layers` of them on a leading axis and
+scans. Every matmul runs on 2-D `[B·T, ·]` operands, the fastest form on CPU (ENVIRONMENT.md).
+Legend: B batch, T tokens, D d_model, K kv heads, G query heads per kv head, H = K·G, E head dim,
+F d_ff.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._config import ModelConfig
+
+Array = jax.Array
+
+
+def rms_norm(x_BxTxD, weight_D, eps: float, dtype) -> Array:
+    """Statistics in float32 whatever the compute dtype."""
+    x32 = x_BxTxD.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * weight_D.astype(jnp.float32)).astype(dtype)
+
+
+def rope_angles(positions_BxT, head_dim: int, theta: float) -> tuple[Array, Array]:
+    """cos, sin `[B, T, E/2]` in float32 for the canvas positions."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x_BxTxNxE, cos_BxTxR, sin_BxTxR) -> Array:
+    """Rotate-half RoPE on any head axis N."""
+    x1, x2 = jnp.split(x_BxTxNxE.astype(jnp.float32), 2, axis=-1)
+    cos, sin = cos_BxTxR[:, :, None], sin_BxTxR[:, :, None]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxTxNxE.dtype)
+
+
+def _matmul(x_NxA, w_AxC, dtype) -> Array:
+    return jnp.dot(x_NxA, w_AxC.astype(dtype), preferred_element_type=dtype)
+
+
+class DecoderLayer(eqx.Module):
+    """One pre-norm block: x + Attn(norm(x)), then x + SwiGLU(norm(x))."""
+
+    attn_norm: Array
+    wq: Array
+    wk: Array
+    wv: Array
+    wo: Array
+    mlp_norm: Array
+    w_gate: Array
+    w_up: Array
+    w_down: Array
+
+    def __init__(self, config: ModelConfig, *, key: Array):
+        d, e, f = config.d_model, config.head_dim, config.d_ff
+        h, kv = config.n_heads, config.n_kv_heads
+        dtype = config.params_jnp_dtype
+        q_key, k_key, v_key, o_key, gate_key, up_key, down_key = jax.random.split(key, 7)
+        # Residual-branch outputs are scaled down with depth so the stream starts near identity.
+        out_scale = (2 * config.n_layers) ** -0.5
+        init = lambda k, shape, scale=1.0: (  # noqa: E731
+            jax.random.normal(k, shape, jnp.float32) * scale / shape[0] ** 0.5).astype(dtype)
+        self.attn_norm = jnp.ones((d,), dtype)
+        self.wq = init(q_key, (d, h * e))
+        self.wk = init(k_key, (d, kv * e))
+        self.wv = init(v_key, (d, kv * e))
+        self.wo = init(o_key, (h * e, d), out_scale)
+        self.mlp_norm = jnp.ones((d,), dtype)
+        self.w_gate = init(gate_key, (d, f))
+        self.w_up = init(up_key, (d, f))
+        self.w_down = init(down_key, (f, d), out_scale)
+
+    def qkv(self, x_BxTxD, cos, sin, config: ModelConfig) -> tuple[Array, Array, Array]:
+        """q `[B, T, K, G, E]` (pre-scaled by 1/sqrt(E)), k and v `[B, T, K, E]`, RoPE applied."""
+        b, t, d = x_BxTxD.shape
+        kv, g, e = config.n_kv_heads, config.q_per_kv, config.head_dim
+        dtype = config.compute_jnp_dtype
+        h_NxD = rms_norm(x_BxTxD, self.attn_norm, config.norm_eps, dtype).reshape(b * t, d)
+        q = apply_rope(_matmul(h_NxD, self.wq, dtype).reshape(b, t, kv * g, e), cos, sin)
+        k = apply_rope(_matmul(h_NxD, self.wk, dtype).reshape(b, t, kv, e), cos, sin)
+        v = _matmul(h_NxD, self.wv, dtype).reshape(b, t, kv, e)
+        q = (q * jnp.asarray(e ** -0.5, dtype)).reshape(b, t, kv, g, e)
+        return q, k, v
+
+    def finish(self, x_BxTxD, attn_BxTxKxGxE, config: ModelConfig) -> Array:
+        """Output projection and residual, then the SwiGLU MLP and residual."""
+        b, t, d = x_BxTxD.shape
+        dtype = config.compute_jnp_dtype
+        x_NxD = x_BxTxD.reshape(b * t, d) + _matmul(attn_BxTxKxGxE.reshape(b * t, -1).astype(dtype), self.wo, dtype)
+        h_NxD = rms_norm(x_NxD, self.mlp_norm, config.norm_eps, dtype)
+        gate_NxF = _matmul(h_NxD, self.w_gate, dtype)
+        up_NxF = _matmul(h_NxD, self.w_up, dtype)
+        x_NxD = x_NxD + _matmul(jax.nn.silu(gate_NxF) * up_NxF, self.w_down, dtype)
+        return x_NxD.reshape(b, t, d)

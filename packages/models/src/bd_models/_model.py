@@ -1,0 +1,129 @@
+"""`BlockDiffusionLM`: embedding, scanned decoder layers, final norm, (tied) LM head.
+
+`model(layout)` is the packed forward over any `ViewLayout`; `forward_cached` evaluates the same
+attention rule incrementally against a `KVCache`. Logits are float32 whatever the compute dtype.
+Legend: B batch, T tokens, S cache slots, L layers, D d_model, K kv heads, G query heads per kv
+head, E head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from bd_core import CLEAN_VIEW, ViewLayout
+
+from ._attention import attend, dense_attention
+from ._cache import KVCache
+from ._config import ModelConfig
+from ._layers import DecoderLayer, rms_norm, rope_angles
+from ._mask import TokenMeta
+
+
+def _heads_first(q_BxTxKxGxE, k_BxTxKxE, v_BxTxKxE):
+    return (jnp.transpose(q_BxTxKxGxE, (0, 2, 3, 1, 4)), jnp.transpose(k_BxTxKxE, (0, 2, 1, 3)),
+            jnp.transpose(v_BxTxKxE, (0, 2, 1, 3)))
+
+
+class BlockDiffusionLM(eqx.Module):
+    """The block-diffusion decoder: bidirectional inside a block, causal across blocks."""
+
+    config: ModelConfig = eqx.field(static=True)
+    embedding: jax.Array
+    layers: DecoderLayer
+    final_norm: jax.Array
+    lm_head: jax.Array | None
+
+    def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
+        embed_key, layers_key, head_key = jax.random.split(key, 3)
+        dtype = config.params_jnp_dtype
+        self.config = config
+        self.embedding = (jax.random.normal(embed_key, (config.vocab_size, config.d_model), jnp.float32)
+                          * config.d_model ** -0.5).astype(dtype)
+        layer_keys = jax.random.split(layers_key, config.n_layers)
+        self.layers = eqx.filter_vmap(lambda k: DecoderLayer(config, key=k))(layer_keys)
+        self.final_norm = jnp.ones((config.d_model,), dtype)
+        self.lm_head = None if config.tie_embeddings else (
+            jax.random.normal(head_key, (config.d_model, config.vocab_size), jnp.float32)
+            * config.d_model ** -0.5).astype(dtype)
+
+    def with_attention(self, attention: str, *, q_tile: int | None = None,
+                       k_tile: int | None = None) -> BlockDiffusionLM:
+        """The same parameters with another attention implementation (or tile sizes)."""
+        config = self.config.replace(attention=attention, q_tile=q_tile or self.config.q_tile,
+                                     k_tile=k_tile or self.config.k_tile)
+        model = object.__new__(BlockDiffusionLM)  # the config is static: rebuild, sharing the arrays
+        for field in ("embedding", "layers", "final_norm", "lm_head"):
+            object.__setattr__(model, field, getattr(self, field))
+        object.__setattr__(model, "config", config)
+        return model
+
+    def embed(self, tokens: Array) -> Float[Array, "B T D"]:
+        return jnp.take(self.embedding, tokens, axis=0).astype(self.config.compute_jnp_dtype)
+
+    def __call__(self, layout: ViewLayout) -> Float[Array, "B T V"]:
+        return self.embed_forward(self.embed(layout.tokens), layout)
+
+    def embed_forward(self, x: Float[Array, "B T D"], layout: ViewLayout) -> Float[Array, "B T V"]:
+        """The forward from input embeddings (what gradient-through-the-mask tests differentiate)."""
+        config = self.config
+        cos, sin = rope_angles(layout.positions, config.head_dim, config.rope_theta)
+        meta = TokenMeta.from_layout(layout)
+
+        def layer_step(x_BxTxD, layer: DecoderLayer):
+            q, k, v = layer.qkv(x_BxTxD, cos, sin, config)
+            out_BxKxGxTxE = attend(config.attention, *_heads_first(q, k, v), meta, meta,
+                                   q_tile=config.q_tile, k_tile=config.k_tile)
+            return layer.finish(x_BxTxD, jnp.transpose(out_BxKxGxTxE, (0, 3, 1, 2, 4)), config), None
+
+        x, _ = lax.scan(layer_step, x.astype(config.compute_jnp_dtype), self.layers)
+        return self._logits(x)
+
+    def _logits(self, x_BxTxD) -> Float[Array, "B T V"]:
+        config = self.config
+        b, t, d = x_BxTxD.shape
+        dtype = config.compute_jnp_dtype
+        h_NxD = rms_norm(x_BxTxD.reshape(b * t, d), self.final_norm, config.norm_eps, dtype)
+        head_DxV = self.embedding.T if self.lm_head is None else self.lm_head
+        logits_NxV = jnp.dot(h_NxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32)
+        return logits_NxV.reshape(b, t, -1)
+
+    def init_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty cache (every slot invalid) for canvases of up to `max_len` positions."""
+        config = self.config
+        return KVCache.empty(config.n_layers, batch_size, max_len, config.n_kv_heads, config.head_dim,
+                             config.compute_jnp_dtype)
+
+    def forward_cached(self, chunk: ViewLayout, cache: KVCache, *,
+                       commit: Bool[Array, "B t"] | None = None) -> tuple[Float[Array, "B t V"], KVCache]:
+        """Logits of `chunk` against `cache`, then write the `commit`-flagged entries to the cache.
+
+        Chunk queries see the cache's valid entries (clean, with their block ids) and the chunk's
+        own entries under the same rule as the packed layout. Committed entries must be valid
+        clean (view 0) tokens; they land at slot = position.
+        """
+        config = self.config
+        cos, sin = rope_angles(chunk.positions, config.head_dim, config.rope_theta)
+        chunk_meta = TokenMeta.from_layout(chunk)
+        key_meta = TokenMeta(*(jnp.concatenate([c, q], axis=1) for c, q in zip(cache.meta(), chunk_meta)))
+
+        def layer_step(x_BxTxD, xs):
+            layer, k_cache_BxSxKxE, v_cache_BxSxKxE = xs
+            q, k, v = layer.qkv(x_BxTxD, cos, sin, config)
+            keys = jnp.concatenate([k_cache_BxSxKxE, k.astype(k_cache_BxSxKxE.dtype)], axis=1)
+            values = jnp.concatenate([v_cache_BxSxKxE, v.astype(v_cache_BxSxKxE.dtype)], axis=1)
+            out_BxKxGxTxE = dense_attention(*_heads_first(q, keys, values), chunk_meta, key_meta)
+            x_BxTxD = layer.finish(x_BxTxD, jnp.transpose(out_BxKxGxTxE, (0, 3, 1, 2, 4)), config)
+            return x_BxTxD, (k, v)
+
+        x, (k_LxBxTxKxE, v_LxBxTxKxE) = lax.scan(layer_step, self.embed(chunk.tokens), (self.layers, cache.k, cache.v))
+        logits = self._logits(x)
+        if commit is None:
+            return logits, cache
+        commit = commit & chunk.valid
+        commit = eqx.error_if(commit, jnp.any(commit & (chunk.view_ids != CLEAN_VIEW)),
+                              "forward_cached: commit flags a noisy (view != 0) entry; only clean entries are cached")
+        return logits, cache.write(k_LxBxTxKxE, v_LxBxTxKxE, chunk.positions, chunk.block_ids, commit)

@@ -1,0 +1,69 @@
+"""Cached incremental decoding gives the packed layout's logits (DESIGN.md invariant 2)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bd_core import ViewLayout
+from bd_models import BlockDiffusionLM, ModelConfig
+
+CONFIG = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, block_size=4,
+                     q_tile=8, k_tile=8)
+
+
+def _chunk(layout: ViewLayout, columns, view_id=None) -> ViewLayout:
+    take = lambda a: np.asarray(a)[:, columns]  # noqa: E731
+    views = take(layout.view_ids) if view_id is None else np.full_like(take(layout.view_ids), view_id)
+    return ViewLayout.create(take(layout.tokens), take(layout.positions), take(layout.block_ids), views,
+                             take(layout.valid))
+
+
+def _close(cached, packed, valid):
+    valid = np.asarray(valid)
+    np.testing.assert_array_less(np.abs(np.asarray(cached) - np.asarray(packed))[valid].max(initial=0.0), 1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("attention", ["dense", "blocked"])
+def test_cached_logits_equal_packed(layouts, seed, attention):
+    packed = layouts(seed, batch=3)
+    layout, b = packed.layout, packed.block_size
+    model = BlockDiffusionLM(CONFIG.replace(attention=attention), key=jax.random.key(seed))
+    full = jax.jit(model.__call__)(layout)
+    step = jax.jit(lambda chunk, cache, commit: model.forward_cached(chunk, cache, commit=commit))
+    decode = jax.jit(lambda chunk, cache: model.forward_cached(chunk, cache))
+
+    cache = model.init_cache(layout.shape[0], packed.canvas_len)
+    prompt = np.arange(packed.prompt_len)
+    logits, cache = step(_chunk(layout, prompt), cache, _chunk(layout, prompt).valid)
+    _close(logits, full[:, prompt], layout.valid[:, prompt])
+
+    previous = None
+    for view_id, block, start in packed.views:
+        noisy = np.arange(start, start + b)
+        if previous is None:  # the first block: decode alone against the prompt
+            logits, _ = decode(_chunk(layout, noisy, view_id=1), cache)
+            _close(logits, full[:, noisy], layout.valid[:, noisy])
+        else:  # commit the previous block's clean tokens and decode this block in one pass
+            clean = np.arange(previous * b, (previous + 1) * b)
+            chunk = _chunk(layout, np.concatenate([clean, noisy]), view_id=None)
+            chunk = ViewLayout.create(chunk.tokens, chunk.positions, chunk.block_ids,
+                                      np.concatenate([np.zeros((layout.shape[0], b), int),
+                                                      np.ones((layout.shape[0], b), int)], axis=1), chunk.valid)
+            commit = np.concatenate([np.asarray(chunk.valid[:, :b]), np.zeros((layout.shape[0], b), bool)], axis=1)
+            logits, cache = step(chunk, cache, commit)
+            _close(logits[:, :b], full[:, clean], layout.valid[:, clean])
+            _close(logits[:, b:], full[:, noisy], layout.valid[:, noisy])
+        previous = block
+    assert bool(jnp.all(cache.valid[:, : previous * b] == layout.valid[:, : previous * b]))
+
+
+def test_empty_cache_and_commit_rules():
+    model = BlockDiffusionLM(CONFIG, key=jax.random.key(0))
+    cache = model.init_cache(2, 12)
+    assert cache.k.shape == (2, 2, 12, 2, 8) and not bool(cache.valid.any())
+    noisy = ViewLayout.create(np.zeros((2, 4), int), np.tile(np.arange(4), (2, 1)), np.zeros((2, 4), int),
+                              np.ones((2, 4), int), np.ones((2, 4), bool))
+    with pytest.raises(Exception, match="noisy"):
+        model.forward_cached(noisy, cache, commit=jnp.ones((2, 4), bool))
