@@ -139,7 +139,8 @@ def iterate(dataset: grain.MapDataset, *, worker_count: int = 0, prefetch: int =
     """An iterator with `get_state()/set_state()` (and grain.checkpoint support).
 
     In-process with one prefetch thread by default; `worker_count > 0` uses worker processes
-    (they need absl flags parsed and a `__main__` guard, and take seconds to start).
+    (they need absl flags parsed and a `__main__` guard, and take seconds to start). A saved
+    state restores into an iterator made with the same `worker_count`.
     """
     if worker_count < 0 or prefetch < 0:
         raise ValueError(f"worker_count and prefetch must be >= 0, got {worker_count}, {prefetch}")
