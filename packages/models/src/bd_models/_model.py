@@ -12,7 +12,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from bd_core import CLEAN_VIEW, ViewLayout
 
@@ -61,7 +61,7 @@ class BlockDiffusionLM(eqx.Module):
         object.__setattr__(model, "config", config)
         return model
 
-    def embed(self, tokens: Array) -> Float[Array, "B T D"]:
+    def embed(self, tokens: Int[ArrayLike, "B T"]) -> Float[Array, "B T D"]:
         return jnp.take(self.embedding, tokens, axis=0).astype(self.config.compute_jnp_dtype)
 
     def __call__(self, layout: ViewLayout) -> Float[Array, "B T V"]:
@@ -98,7 +98,7 @@ class BlockDiffusionLM(eqx.Module):
                              config.compute_jnp_dtype)
 
     def forward_cached(self, chunk: ViewLayout, cache: KVCache, *,
-                       commit: Bool[Array, "B t"] | None = None) -> tuple[Float[Array, "B t V"], KVCache]:
+                       commit: Bool[ArrayLike, "B t"] | None = None) -> tuple[Float[Array, "B t V"], KVCache]:
         """Logits of `chunk` against `cache`, then write the `commit`-flagged entries to the cache.
 
         Chunk queries see the cache's valid entries (clean, with their block ids) and the chunk's
@@ -123,7 +123,7 @@ class BlockDiffusionLM(eqx.Module):
         logits = self._logits(x)
         if commit is None:
             return logits, cache
-        commit = commit & chunk.valid
+        commit = jnp.asarray(commit) & jnp.asarray(chunk.valid)
         commit = eqx.error_if(commit, jnp.any(commit & (chunk.view_ids != CLEAN_VIEW)),
                               "forward_cached: commit flags a noisy (view != 0) entry; only clean entries are cached")
         return logits, cache.write(k_LxBxTxKxE, v_LxBxTxKxE, chunk.positions, chunk.block_ids, commit)

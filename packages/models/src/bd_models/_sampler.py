@@ -104,13 +104,38 @@ class _Block(NamedTuple):
     nfe: Array  # [B]
 
 
-def _commit_set(conf, masked, step, config: SamplerConfig):
+class _Knobs(NamedTuple):
+    """The numeric settings, passed traced so that changing them never recompiles."""
+
+    temperature: Array
+    top_k: Array
+    top_p: Array
+    threshold: Array
+
+
+def _split(config: SamplerConfig) -> tuple[SamplerConfig, _Knobs]:
+    """The compile key (structure: on/off switches, strategy, lengths, ids) and the traced values."""
+    knobs = _Knobs(jnp.float32(config.temperature), jnp.int32(config.top_k or 0), jnp.float32(config.top_p or 1.0),
+                   jnp.float32(config.threshold))
+    static = config.replace(temperature=0.0 if config.temperature == 0 else 1.0,
+                            top_k=None if config.top_k is None else 1,
+                            top_p=None if config.top_p is None else 1.0, threshold=0.0)
+    return static, knobs
+
+
+def _distribution(config: SamplerConfig, knobs: _Knobs) -> dict[str, Any]:
+    return dict(temperature=0.0 if config.temperature == 0 else knobs.temperature,
+                top_k=None if config.top_k is None else knobs.top_k,
+                top_p=None if config.top_p is None else knobs.top_p, banned_ids=config.banned_ids)
+
+
+def _commit_set(conf, masked, step, config: SamplerConfig, threshold):
     """Which masked positions to commit this step (`[B, b]`): the strategy, then the last-step rule."""
     b = config.block_size
     conf = jnp.where(masked, conf, -jnp.inf)
     if config.strategy == "threshold":
         best = jax.nn.one_hot(jnp.argmax(conf, axis=-1), b, dtype=bool)
-        pick = (conf >= config.threshold) | best
+        pick = (conf >= threshold) | best
     else:
         steps = config.steps_cap
         counts = jnp.asarray([b // steps + (i < b % steps) for i in range(steps)], jnp.int32)
@@ -119,7 +144,7 @@ def _commit_set(conf, masked, step, config: SamplerConfig):
     return masked & (pick | (step == config.steps_cap - 1))
 
 
-def _generate(model, prompt_tokens, prompt_valid, key, config: SamplerConfig):
+def _generate(model, prompt_tokens, prompt_valid, key, knobs: _Knobs, config: SamplerConfig):
     batch, prompt_len = prompt_tokens.shape
     b, n_blocks, cap = config.block_size, config.num_blocks, config.steps_cap
     first_block = prompt_len // b
@@ -135,9 +160,10 @@ def _generate(model, prompt_tokens, prompt_valid, key, config: SamplerConfig):
 
     def denoise(state: _Block, logits, j, live) -> _Block:
         step_key = jax.random.fold_in(jax.random.fold_in(key, j), state.step)
-        logp = sampling_logprobs(logits, **config.distribution_kwargs())
+        logp = sampling_logprobs(logits, **_distribution(config, knobs))
         tokens = jax.random.categorical(step_key, logp, axis=-1).astype(jnp.int32)
-        commit = _commit_set(confidence(logp, tokens, config.confidence), state.masked, state.step, config)
+        commit = _commit_set(confidence(logp, tokens, config.confidence), state.masked, state.step, config,
+                             knobs.threshold)
         commit = commit & live[:, None]
         trace = state.trace.record(j * cap + state.step, first_block + j, commit, tokens,
                                    token_logprob(logp, tokens), live)
@@ -200,7 +226,8 @@ def sample(
     """Generate `config.max_new_tokens` after each left-padded prompt, with an exact trace.
 
     `prompts` is `(tokens [B, P] int32, valid [B, P] bool)`, P a multiple of the block size.
-    Compiled once per (B, P, config); the model is traced, so new weights do not recompile.
+    Compiled once per (B, P) and config structure (lengths, strategy, confidence rule, stop ids,
+    which filters are on); temperature, top-k, top-p, threshold values and the weights are traced.
     `use_cache=False` reruns the whole canvas every step (the reference and speed baseline).
     The trace's `block_ids` are canvas blocks (`position // block_size`); `nfe[r]` counts the
     forward passes in which row r took part (prefill included).
@@ -219,4 +246,5 @@ def sample(
         raise ValueError(f"sample: prompt length {prompt_len} must be a positive multiple of block_size="
                          f"{config.block_size}; left-pad the prompts (valid=False) to such a length")
     engine = model if use_cache else RecomputeModel(model)
-    return _generate_jit(engine, prompt_tokens, prompt_valid, key, config)
+    static, knobs = _split(config)
+    return _generate_jit(engine, prompt_tokens, prompt_valid, key, knobs, static)
