@@ -6,7 +6,7 @@ from bd_core import attention_allowed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bd_data import (ByteTokenizer, CanvasConfig, CanvasOverflow, CorruptionConfig, build_canvas, corrupt,
+from bd_data import (ByteTokenizer, Canvas, CanvasConfig, CanvasOverflow, CorruptionConfig, build_canvas, corrupt,
                      fit_to_canvas, prompt_canvas)
 
 TOK = ByteTokenizer()
@@ -60,7 +60,7 @@ def test_sft_layout_invariants(case):
     config, examples, corruption, seed = case
     p, n, b = config.prompt_len, config.max_new_tokens, config.block_size
     built = [build_canvas(pr, an, config, TOK) for pr, an in examples]
-    stack = type(built[0])(*(np.stack([getattr(c, f) for c in built]) for f in ("tokens", "valid", "positions", "block_ids")))
+    stack = Canvas(*(np.stack([getattr(c, f) for c in built]) for f in ("tokens", "valid", "positions", "block_ids")))
     batch = corrupt(stack, config, corruption, mask_id=TOK.mask_id, rng=np.random.default_rng(seed))
     lay = batch.layout
     assert lay.shape == (len(examples), p + 2 * n)

@@ -1,7 +1,5 @@
 """Corruption statistics: mask rate vs t, the at-least-one rule and its bias, estimator means."""
 
-import re
-
 import numpy as np
 import pytest
 
@@ -118,6 +116,8 @@ def test_none_weighting_is_exactly_the_constant():
         assert np.isclose((3.0 * weights).sum() / denom.sum(), 3.0, rtol=1e-6)
 
 
-def test_default_is_one_obvious_constant():
-    assert corruption_module.DEFAULT_CORRUPTION == CorruptionConfig()
-    assert re.search(r"DEFAULT_CORRUPTION = CorruptionConfig\(", open(corruption_module.__file__).read())
+def test_default_is_the_measured_choice():
+    # Plain mean CE over masked tokens on a clipped t range (ENVIRONMENT.md), and the config default.
+    default = corruption_module.DEFAULT_CORRUPTION
+    assert default == CorruptionConfig()
+    assert (default.weighting, default.t_min, default.t_max) == ("none", 0.1, 1.0)

@@ -4,12 +4,9 @@ import time
 
 import pytest
 
-from bd_data import PARTIAL_CREDIT, TASKS, ByteTokenizer, Example, get_task
+from bd_data import DEFAULT_TASK, PARTIAL_CREDIT, TASKS, ByteTokenizer, Example, get_task
 
-DEFAULT_SIZES = {"sort": {}, "argsort": {}, "addition": {}, "addition_lsd": {}}
-
-
-def _reference(name, task, prompt):
+def _reference(name, prompt):
     """Answers recomputed from the prompt text alone."""
     body = prompt[:-1]
     if name == "sort":
@@ -28,7 +25,7 @@ def test_answers_match_reference_and_fit_small_canvas(name):
     for split in ("train", "eval"):
         for i in range(200):
             ex = task.example(i, split)
-            assert ex.prompt.endswith("=") and ex.answer == _reference(name, task, ex.prompt)
+            assert ex.prompt.endswith("=") and ex.answer == _reference(name, ex.prompt)
             assert len(tok.encode(ex.prompt)) <= 16 and len(tok.encode(ex.answer)) <= 7  # P=16, N=8 with eos
             assert task.reward(ex, ex.answer) == 1.0 and task.is_correct(ex, f" {ex.answer}\n")
 
@@ -47,6 +44,7 @@ def test_random_access_is_deterministic_and_splits_are_disjoint(name):
 
 
 def test_difficulty_params_and_registry_errors():
+    assert DEFAULT_TASK in TASKS
     assert len(get_task("sort", length=9).example(0).answer) == 9
     assert len(get_task("addition", digits=5).example(0).prompt) == 12
     with pytest.raises(ValueError, match=r"unknown task 'mul'.*addition"):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from bd_data import ByteTokenizer, HFTokenizer, TokenizerError
 
@@ -35,8 +35,6 @@ def _write_tokenizer(path, specials):
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", *specials],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["the quick brown fox 123+456=579", "sort 315926= 123569"] * 20, trainer)
-    from tokenizers import decoders
-
     tok.decoder = decoders.ByteLevel()
     tok.save(str(path))
 
