@@ -1,1 +1,21 @@
-"""bd_train."""
+"""bd_train: objectives (SFT, OPD, GRPO family), the trainer and Orbax checkpoints.
+
+Every objective returns a `bd_core.LossOutput`; the trainer accumulates Σ∇numerator and
+Σdenominator over microbatches and devices and normalizes once.
+"""
+
+from ._accumulate import Accumulated as Accumulated
+from ._accumulate import accumulate as accumulate
+from ._accumulate import interleave_microbatches as interleave_microbatches
+from ._accumulate import normalize as normalize
+from ._accumulate import split_microbatches as split_microbatches
+from ._optim import OptimizerConfig as OptimizerConfig
+from ._optim import make_optimizer as make_optimizer
+from ._sft import sft_loss as sft_loss
+from ._sft import sft_objective as sft_objective
+from ._sft import token_cross_entropy as token_cross_entropy
+from ._trainer import NonFiniteError as NonFiniteError
+from ._trainer import StreamAccumulator as StreamAccumulator
+from ._trainer import Trainer as Trainer
+from ._trainer import TrainerConfig as TrainerConfig
+from ._trainer import TrainState as TrainState

@@ -1,0 +1,140 @@
+"""Gradient accumulation as a higher-order function around a loss, plus microbatch splitting.
+
+Every microbatch adds Σ∇numerator and Σdenominator into float32 accumulators; the gradient is
+normalized once by the global denominator (DESIGN.md, "Losses and reduction"), so any split of a
+batch, padded with zero-weight rows, gives the gradient of the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bd_core import LossOutput, WeightedMetric, as_loss_output
+
+LossFn = Callable[[Any, Any, jax.Array], Any]
+
+
+class Accumulated(eqx.Module):
+    """Running sums over microbatches: float32 Σ∇numerator (shaped like the trainable arrays), the
+    loss as a scalar `WeightedMetric`, and the aux metrics with a leading microbatch axis."""
+
+    grads: Any
+    loss: WeightedMetric
+    aux: dict[str, Any]
+
+
+def _leading_size(tree: Any) -> int:
+    sizes = {int(np.shape(leaf)[0]) for leaf in jax.tree_util.tree_leaves(tree) if np.ndim(leaf) > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"microbatching: every array in the batch needs the same leading (batch) axis, got sizes "
+                         f"{sorted(sizes)}")
+    return sizes.pop()
+
+
+def _pad_rows(tree: Any, rows: int) -> Any:
+    # An all-zero row is a zero-weight row: for DiffusionTokenBatch/DistillationBatch it is invalid
+    # (valid=False), has weights 0 and denominator 0, so it adds nothing to any weighted sum.
+    def pad(leaf):
+        leaf = jnp.asarray(leaf)
+        return jnp.concatenate([leaf, jnp.zeros((rows - leaf.shape[0],) + leaf.shape[1:], leaf.dtype)], axis=0)
+
+    return jax.tree_util.tree_map(pad, tree)
+
+
+def split_microbatches(batch: Any, num_microbatches: int | None = None, *, sizes: Sequence[int] | None = None) -> Any:
+    """Split a batch on its leading axis into a stacked `[k, rows, ...]` batch.
+
+    Give `num_microbatches` for k contiguous, near-equal parts, or `sizes` for explicit (possibly
+    unequal) parts. Short parts are padded with all-zero rows, which carry zero weight.
+    """
+    total = _leading_size(batch)
+    if sizes is None:
+        if num_microbatches is None or num_microbatches < 1:
+            raise ValueError(f"split_microbatches: num_microbatches must be >= 1, got {num_microbatches}; "
+                             "or pass sizes=[...]")
+        base, extra = divmod(total, num_microbatches)
+        sizes = [base + (i < extra) for i in range(num_microbatches)]
+    sizes = [int(s) for s in sizes]
+    if sum(sizes) != total or min(sizes) < 0:
+        raise ValueError(f"split_microbatches: sizes {sizes} must be >= 0 and sum to the batch size {total}")
+    rows = max(max(sizes), 1)
+    offsets = np.cumsum([0] + sizes)
+    parts = [
+        _pad_rows(jax.tree_util.tree_map(lambda x, a=a, b=b: jnp.asarray(x)[a:b], batch), rows)
+        for a, b in zip(offsets[:-1], offsets[1:])
+    ]
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *parts)
+
+
+def interleave_microbatches(batch: Any, num_microbatches: int) -> Any:
+    """Inside jit: `[B, ...] -> [k, B/k, ...]` taking every k-th row into the same microbatch.
+
+    With the batch sharded contiguously over devices, each microbatch then keeps an equal share of
+    rows on every device, so the scan needs no cross-device data movement.
+    """
+    total = _leading_size(batch)
+    if total % num_microbatches:
+        raise ValueError(f"the batch size {total} is not divisible by microbatches={num_microbatches}; pad the "
+                         "batch, change TrainerConfig.microbatches, or pre-split it with split_microbatches")
+
+    def split(x):
+        x = jnp.asarray(x)
+        return jnp.swapaxes(x.reshape((total // num_microbatches, num_microbatches) + x.shape[1:]), 0, 1)
+
+    return jax.tree_util.tree_map(split, batch)
+
+
+def microbatch_key(key: jax.Array, update_step: jax.Array | int, index: jax.Array | int) -> jax.Array:
+    """The key of microbatch `index` of update `update_step`: the same however the update is split
+    into calls, which is what makes streaming accumulation reproduce the scanned update."""
+    return jax.random.fold_in(jax.random.fold_in(key, update_step), index)
+
+
+def zeros_like_grads(params: Any) -> Any:
+    return jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+
+def accumulate(loss_fn: LossFn, params: Any, static: Any, microbatches: Any, *, key: jax.Array,
+               update_step: jax.Array, start_index: jax.Array | int = 0) -> Accumulated:
+    """Scan `loss_fn(model, microbatch, key)` over the leading axis of `microbatches`.
+
+    `params`/`static` are the `eqx.partition` of the model; only `params` is differentiated.
+    Returns unnormalized sums; divide with `normalize`.
+    """
+
+    def numerator(p, mb, mb_key):
+        out: LossOutput = as_loss_output(loss_fn(eqx.combine(p, static), mb, mb_key))
+        total = out.loss.total()
+        # The denominator counts tokens; it must not carry gradient even if a loss computes it
+        # from something differentiable.
+        total = WeightedMetric(total.numerator, jax.lax.stop_gradient(total.denominator), total.eps, total.min_denom)
+        return total.numerator.astype(jnp.float32), (total, out.aux)
+
+    grad_fn = jax.value_and_grad(numerator, has_aux=True)
+    count = _leading_size(microbatches)
+
+    def body(carry, xs):
+        grads, num, den = carry
+        mb, index = xs
+        (_, (total, aux)), g = grad_fn(params, mb, microbatch_key(key, update_step, start_index + index))
+        grads = jax.tree_util.tree_map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+        return (grads, num + total.numerator.astype(jnp.float32), den + total.denominator.astype(jnp.float32)), (
+            total, aux)
+
+    init = (zeros_like_grads(params), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    (grads, num, den), (totals, aux) = jax.lax.scan(body, init, (microbatches, jnp.arange(count)))
+    settings = dict(eps=totals.eps, min_denom=totals.min_denom)
+    return Accumulated(grads, WeightedMetric(num, den, **settings), aux)
+
+
+def normalize(grads: Any, loss: WeightedMetric) -> Any:
+    """Σ∇numerator / effective Σdenominator, exactly 0 when the denominator is 0."""
+    den = loss.effective_denominator()
+    safe = jnp.where(den == 0, jnp.ones_like(den), den)
+    return jax.tree_util.tree_map(lambda g: jnp.where(den == 0, jnp.zeros_like(g), g / safe), grads)

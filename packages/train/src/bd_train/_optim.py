@@ -1,0 +1,108 @@
+"""Optimizer configuration: AdamW with warmup + decay schedules and global-norm clipping (optax).
+
+`OptimizerConfig` is frozen and validated on construction; `make_optimizer` turns it into an optax
+transformation, optionally with injected hyperparameters so the learning rate lives in the state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax.numpy as jnp
+import optax
+
+Schedule = Literal["constant", "cosine", "linear"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW hyperparameters and the learning-rate schedule.
+
+    The schedule warms up linearly from 0 over `warmup_steps`, then holds (`constant`) or decays
+    (`cosine`, `linear`) to `learning_rate * end_lr_ratio` at `total_steps`.
+    """
+
+    learning_rate: float = 3e-4
+    schedule: Schedule = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    end_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    mu_dtype: str | None = None
+    inject_hyperparams: bool = False
+
+    def __post_init__(self):
+        def fail(field: str, problem: str, fix: str):
+            raise ValueError(f"OptimizerConfig.{field}: {problem}; {fix}")
+
+        if not self.learning_rate > 0:
+            fail("learning_rate", f"must be > 0, got {self.learning_rate}", "use a positive value such as 3e-4")
+        if self.schedule not in ("constant", "cosine", "linear"):
+            fail("schedule", f"unknown schedule {self.schedule!r}", "use 'constant', 'cosine' or 'linear'")
+        if self.warmup_steps < 0:
+            fail("warmup_steps", f"must be >= 0, got {self.warmup_steps}", "use 0 for no warmup")
+        if self.schedule != "constant":
+            if self.total_steps is None:
+                fail("total_steps", f"is required by schedule={self.schedule!r}",
+                     "set it to the number of optimizer updates, or use schedule='constant'")
+            if self.total_steps <= self.warmup_steps:
+                fail("total_steps", f"({self.total_steps}) must exceed warmup_steps ({self.warmup_steps})",
+                     "raise total_steps or lower warmup_steps")
+        if not 0 <= self.end_lr_ratio <= 1:
+            fail("end_lr_ratio", f"must be in [0, 1], got {self.end_lr_ratio}", "use e.g. 0.1")
+        for field in ("b1", "b2"):
+            if not 0 <= getattr(self, field) < 1:
+                fail(field, f"must be in [0, 1), got {getattr(self, field)}", "use e.g. 0.9 / 0.999")
+        if not self.eps > 0:
+            fail("eps", f"must be > 0, got {self.eps}", "use e.g. 1e-8")
+        if self.weight_decay < 0:
+            fail("weight_decay", f"must be >= 0, got {self.weight_decay}", "use 0 to disable it")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            fail("max_grad_norm", f"must be > 0 or None, got {self.max_grad_norm}", "use None to disable clipping")
+        if self.mu_dtype is not None:
+            try:
+                jnp.dtype(self.mu_dtype)
+            except TypeError:
+                fail("mu_dtype", f"unknown dtype {self.mu_dtype!r}", "use e.g. 'bfloat16', 'float32' or None")
+
+    def learning_rate_schedule(self) -> optax.Schedule:
+        peak = self.learning_rate
+        if self.schedule == "constant":
+            after: Any = optax.constant_schedule(peak)
+        else:
+            decay_steps = self.total_steps - self.warmup_steps
+            end = peak * self.end_lr_ratio
+            if self.schedule == "cosine":
+                after = optax.cosine_decay_schedule(peak, decay_steps, alpha=self.end_lr_ratio)
+            else:
+                after = optax.linear_schedule(peak, end, decay_steps)
+        if self.warmup_steps == 0:
+            return after
+        warmup = optax.linear_schedule(0.0, peak, self.warmup_steps)
+        return optax.join_schedules([warmup, after], [self.warmup_steps])
+
+
+def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+    """`clip_by_global_norm` (if set) then AdamW on the configured schedule."""
+    kwargs = dict(
+        learning_rate=config.learning_rate_schedule(),
+        b1=config.b1,
+        b2=config.b2,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        mu_dtype=None if config.mu_dtype is None else jnp.dtype(config.mu_dtype),
+    )
+    if config.inject_hyperparams:
+        # Without an explicit dtype optax stores hyperparameters in the parameters' dtype, and in
+        # bfloat16 b2=0.999 rounds to 1.0, which zeroes Adam's bias correction (inf updates).
+        adamw = optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32)(**kwargs)
+    else:
+        adamw = optax.adamw(**kwargs)
+    if config.max_grad_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)

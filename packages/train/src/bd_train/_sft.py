@@ -1,0 +1,48 @@
+"""Supervised fine-tuning objective: float32 weighted cross-entropy on target-aligned targets.
+
+No shift: the target of position i is the clean token at i. Inactive targets are sanitized before
+indexing; numerator Σ w·CE, denominator Σ denom_weights (DESIGN.md, "Losses and reduction").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from bd_core import DiffusionTokenBatch, LossOutput, WeightedMetric
+
+
+def token_cross_entropy(logits: Float[Array, "B T V"], targets: Int[Array | np.ndarray, "B T"],
+                        active: Any) -> Float[Array, "B T"]:
+    """Per-position float32 CE; inactive positions read target 0 and return exactly 0."""
+    logits = logits.astype(jnp.float32)
+    safe_targets = jnp.where(active, targets, 0)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, safe_targets[..., None], axis=-1)[..., 0]
+    return jnp.where(active, logz - picked, 0.0)
+
+
+def sft_loss(logits: Float[Array, "B T V"], batch: DiffusionTokenBatch) -> LossOutput:
+    """Σ w·CE / Σ denom_weights, with unweighted CE and accuracy on the active tokens as aux."""
+    weights = batch.weights.astype(jnp.float32)
+    active = weights > 0
+    ce = token_cross_entropy(logits, batch.targets, active)
+    counted = active.astype(jnp.float32)
+    correct = (jnp.argmax(logits, axis=-1) == batch.targets) & active
+    return LossOutput(
+        loss=WeightedMetric(jnp.sum(weights * ce), jnp.sum(batch.denom_weights.astype(jnp.float32))),
+        aux={
+            "ce": WeightedMetric(jnp.sum(ce), jnp.sum(counted)),
+            "accuracy": WeightedMetric(jnp.sum(correct.astype(jnp.float32)), jnp.sum(counted)),
+        },
+    )
+
+
+def sft_objective(model: Any, batch: DiffusionTokenBatch, key: jax.Array | None = None) -> LossOutput:
+    """`loss_fn` for the trainer: the model's logits on the batch layout, scored by `sft_loss`."""
+    del key  # the forward pass is deterministic; corruption happened in the data pipeline
+    return sft_loss(model(batch.layout), batch)

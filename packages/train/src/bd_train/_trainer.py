@@ -1,0 +1,233 @@
+"""The train state and the jitted train/eval steps built from any `loss_fn(model, batch, key)`.
+
+One update scans over k microbatches inside one program, or streams them across calls with
+`is_update_step=False`; both normalize Σ∇numerator once by the global denominator. Non-finite and
+empty (zero-denominator) updates are skipped under `lax.cond` without changing any state dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from bd_core import WeightedMetric, as_loss_output, reduce_metrics
+
+from ._accumulate import LossFn, accumulate, interleave_microbatches, microbatch_key, normalize, zeros_like_grads
+
+
+class NonFiniteError(RuntimeError):
+    """Too many update steps in a row had a non-finite loss or gradient."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """`microbatches`: k, scanned inside one program per call. `streaming`: keep an accumulator in
+    the state so calls with `is_update_step=False` add to the next update. A run stops after
+    `max_consecutive_nonfinite` skipped non-finite updates in a row."""
+
+    microbatches: int = 1
+    streaming: bool = False
+    max_consecutive_nonfinite: int = 5
+
+    def __post_init__(self):
+        if self.microbatches < 1:
+            raise ValueError(f"TrainerConfig.microbatches: must be >= 1, got {self.microbatches}; use 1 for no "
+                             "accumulation")
+        if self.max_consecutive_nonfinite < 1:
+            raise ValueError(f"TrainerConfig.max_consecutive_nonfinite: must be >= 1, got "
+                             f"{self.max_consecutive_nonfinite}")
+
+
+class StreamAccumulator(eqx.Module):
+    """Sums carried across streaming calls until the update step: float32 Σ∇numerator, Σnumerator,
+    Σdenominator and the number of microbatches seen."""
+
+    grads: Any
+    numerator: jax.Array
+    denominator: jax.Array
+    count: jax.Array
+
+
+class TrainState(eqx.Module):
+    """`step` counts update steps taken (applied or skipped); `key` is fixed and folded with the
+    step and microbatch index, so a restored run draws the same keys as an uninterrupted one."""
+
+    step: jax.Array
+    model: Any
+    opt_state: Any
+    key: jax.Array
+    nonfinite_total: jax.Array
+    nonfinite_streak: jax.Array
+    accumulator: StreamAccumulator | None = None
+
+    @property
+    def params(self) -> Any:
+        return eqx.filter(self.model, eqx.is_inexact_array)
+
+
+def _empty_accumulator(params: Any) -> StreamAccumulator:
+    zero = jnp.zeros((), jnp.float32)
+    return StreamAccumulator(zeros_like_grads(params), zero, zero, jnp.zeros((), jnp.int32))
+
+
+def _cast_like(tree: Any, dtypes: Any) -> Any:
+    # optax may promote (e.g. injected f32 hyperparameters times bf16 moments); cond branches must
+    # return the exact dtype tree they were given.
+    return jax.tree_util.tree_map(lambda x, dt: x.astype(dt) if jnp.issubdtype(dt, jnp.inexact) else x, tree, dtypes)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree_util.tree_leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+class Trainer:
+    """Train and eval steps for `loss_fn(model, batch, key) -> LossOutput | WeightedMetric | scalar`.
+
+    `step(state, batch)` splits the batch into `config.microbatches` interleaved parts inside the
+    program; `step_microbatches(state, stacked)` takes a pre-stacked `[k, rows, ...]` batch (see
+    `split_microbatches` for unequal sizes). Both return `(state, metrics)`, metrics reduced with
+    `reduce_metrics`; on an update step `loss` covers every microbatch of the update.
+    """
+
+    def __init__(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, config: TrainerConfig | None = None):
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.config = config or TrainerConfig()
+        self._train = eqx.filter_jit(self._train_impl)
+        self._eval = eqx.filter_jit(self._eval_impl)
+
+    def init(self, model: Any, *, key: jax.Array) -> TrainState:
+        params = eqx.filter(model, eqx.is_inexact_array)
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(
+            step=zero,
+            model=model,
+            opt_state=self.optimizer.init(params),
+            key=key,
+            nonfinite_total=zero,
+            nonfinite_streak=zero,
+            accumulator=_empty_accumulator(params) if self.config.streaming else None,
+        )
+
+    # -- train -------------------------------------------------------------------------------------
+
+    def step(self, state: TrainState, batch: Any, *, is_update_step: bool = True) -> tuple[TrainState, dict]:
+        return self._run(state, batch, is_update_step, presplit=False)
+
+    def step_microbatches(self, state: TrainState, microbatches: Any, *,
+                          is_update_step: bool = True) -> tuple[TrainState, dict]:
+        return self._run(state, microbatches, is_update_step, presplit=True)
+
+    def _run(self, state: TrainState, batch: Any, is_update_step: bool, presplit: bool) -> tuple[TrainState, dict]:
+        if not is_update_step and state.accumulator is None:
+            raise ValueError("is_update_step=False needs an accumulator in the state: build the Trainer with "
+                             "TrainerConfig(streaming=True) and call init() again")
+        state, metrics = self._train(state, batch, is_update_step, presplit)
+        if is_update_step:
+            streak = int(state.nonfinite_streak)
+            if streak >= self.config.max_consecutive_nonfinite:
+                raise NonFiniteError(
+                    f"{streak} update steps in a row had a non-finite loss or gradient (at step {int(state.step)}, "
+                    f"{int(state.nonfinite_total)} in total); their updates were skipped. Lower the learning rate, "
+                    "set OptimizerConfig.max_grad_norm, check the batches for bad values, or raise "
+                    "TrainerConfig.max_consecutive_nonfinite"
+                )
+        return state, metrics
+
+    def _stack(self, batch: Any, presplit: bool) -> Any:
+        if presplit:
+            return batch
+        if self.config.microbatches == 1:
+            return jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], batch)
+        return interleave_microbatches(batch, self.config.microbatches)
+
+    def _train_impl(self, state: TrainState, batch: Any, is_update_step: bool, presplit: bool):
+        params, static = eqx.partition(state.model, eqx.is_inexact_array)
+        acc = state.accumulator
+        start = acc.count if acc is not None else 0
+        micro = self._stack(batch, presplit)
+        out = accumulate(self.loss_fn, params, static, micro, key=state.key, update_step=state.step,
+                         start_index=start)
+        if "loss" in out.aux:
+            raise ValueError("loss_fn: aux metrics may not use the key 'loss' (it names the objective itself)")
+        metrics = reduce_metrics({"loss": out.loss, **out.aux})
+        grads, num, den = out.grads, out.loss.numerator, out.loss.denominator
+        if acc is not None:
+            grads = jax.tree_util.tree_map(jnp.add, acc.grads, grads)
+            num, den = acc.numerator + num, acc.denominator + den
+        count = start + jax.tree_util.tree_leaves(micro)[0].shape[0]
+        if not is_update_step:
+            return dataclasses.replace(state, accumulator=StreamAccumulator(grads, num, den, count)), metrics
+
+        total = WeightedMetric(num, den, out.loss.eps, out.loss.min_denom)
+        grads = normalize(grads, total)
+        loss = total.compute()
+        finite = jnp.isfinite(loss) & _all_finite(grads)
+        grad_norm = optax.tree.norm(grads)
+        nonempty = total.effective_denominator() > 0
+        apply_update = finite & nonempty
+
+        grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, params)
+        opt_dtypes = jax.tree_util.tree_map(lambda x: x.dtype, state.opt_state)
+
+        def apply(operands):
+            p, opt_state, g = operands
+            updates, new_opt_state = self.optimizer.update(g, opt_state, p)
+            new_p = jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype), optax.apply_updates(p, updates), p)
+            return new_p, _cast_like(new_opt_state, opt_dtypes)
+
+        def skip(operands):
+            p, opt_state, _ = operands
+            return p, opt_state
+
+        new_params, new_opt_state = jax.lax.cond(apply_update, apply, skip, (params, state.opt_state, grads))
+        nonfinite = (~finite).astype(jnp.int32)
+        new_state = dataclasses.replace(
+            state,
+            step=state.step + 1,
+            model=eqx.combine(new_params, static),
+            opt_state=new_opt_state,
+            nonfinite_total=state.nonfinite_total + nonfinite,
+            nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + 1),
+            accumulator=None if acc is None else _empty_accumulator(params),
+        )
+        metrics.update(
+            loss=loss,
+            grad_norm=grad_norm,
+            update_applied=apply_update.astype(jnp.float32),
+            nonfinite=nonfinite.astype(jnp.float32),
+            nonfinite_total=new_state.nonfinite_total,
+        )
+        return new_state, metrics
+
+    # -- eval --------------------------------------------------------------------------------------
+
+    def _eval_impl(self, model: Any, batch: Any, key: jax.Array):
+        micro = self._stack(batch, presplit=False)
+        count = jax.tree_util.tree_leaves(micro)[0].shape[0]
+
+        def body(_, xs):
+            mb, index = xs
+            out = as_loss_output(self.loss_fn(model, mb, microbatch_key(key, 0, index)))
+            return None, {"loss": out.loss.total(), **out.aux}
+
+        _, stacked = jax.lax.scan(body, None, (micro, jnp.arange(count)))
+        return stacked
+
+    def evaluate(self, model: Any, batches: Iterable[Any], *, key: jax.Array) -> dict[str, jax.Array]:
+        """Metrics over many batches, reduced globally: weighted metrics as Σnum/Σden over all of
+        them, plain ones as the mean of per-batch means."""
+        buffer = [self._eval(model, batch, jax.random.fold_in(key, i)) for i, batch in enumerate(batches)]
+        if not buffer:
+            raise ValueError("evaluate: got no batches")
+        return reduce_metrics(buffer)
+
+    def eval_step(self, model: Any, batch: Any, *, key: jax.Array) -> dict[str, jax.Array]:
+        return self.evaluate(model, [batch], key=key)

@@ -1,0 +1,203 @@
+"""Accumulation exactness, streaming == scan, dtype-stable skips and non-finite handling."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from bd_core import DiffusionTokenBatch
+from bd_train import (
+    NonFiniteError,
+    OptimizerConfig,
+    Trainer,
+    TrainerConfig,
+    accumulate,
+    make_optimizer,
+    normalize,
+    sft_objective,
+    split_microbatches,
+)
+
+
+def _params(model):
+    return eqx.partition(model, eqx.is_inexact_array)
+
+
+def _reference_grads(model, batch):
+    params, static = _params(model)
+    return jax.grad(lambda p: sft_objective(eqx.combine(p, static), batch).loss.compute())(params)
+
+
+def _accumulated_grads(model, stacked, loss_fn=sft_objective):
+    params, static = _params(model)
+    out = accumulate(loss_fn, params, static, stacked, key=jax.random.key(0), update_step=jnp.int32(0))
+    return normalize(out.grads, out.loss), out
+
+
+def _relative_error(a, b):
+    diff = optax.tree.norm(jax.tree.map(lambda x, y: x - y, a, b))
+    return float(diff / optax.tree.norm(b))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+def test_accumulated_gradients_equal_full_batch(toy_model, batch_factory, k):
+    model, batch = toy_model(key=jax.random.key(1)), batch_factory(0, rows=24)
+    grads, out = _accumulated_grads(model, split_microbatches(batch, k))
+    assert _relative_error(grads, _reference_grads(model, batch)) <= 1e-6
+    np.testing.assert_allclose(out.loss.compute(), sft_objective(model, batch).loss.compute(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("sizes", [[5, 1, 11, 7], [0, 13, 2, 9], [24]])
+def test_unequal_microbatches_with_fractional_weights(toy_model, batch_factory, sizes):
+    model, batch = toy_model(key=jax.random.key(2)), batch_factory(1, rows=24, fractional=True)
+    grads, _ = _accumulated_grads(model, split_microbatches(batch, sizes=sizes))
+    assert _relative_error(grads, _reference_grads(model, batch)) <= 1e-6
+
+
+def test_scalar_losses_average_over_microbatches(toy_model, batch_factory):
+    model, batch = toy_model(key=jax.random.key(3)), batch_factory(2, rows=12)
+
+    def scalar_loss(m, b, key):
+        return sft_objective(m, b).loss.compute()
+
+    stacked = split_microbatches(batch, 3)
+    grads, out = _accumulated_grads(model, stacked, scalar_loss)
+    params, static = _params(model)
+    parts = [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(3)]
+    per_part = [jax.grad(lambda p, b=b: scalar_loss(eqx.combine(p, static), b, None))(params) for b in parts]
+    expected = jax.tree.map(lambda *gs: sum(gs) / 3, *per_part)
+    assert _relative_error(grads, expected) <= 1e-6
+    assert float(out.loss.denominator) == 3.0
+
+
+def test_zero_weights_give_zero_gradients_and_no_update(toy_model, batch_factory):
+    model, batch = toy_model(key=jax.random.key(4)), batch_factory(3, rows=8)
+    empty = DiffusionTokenBatch.create(batch.layout, batch.targets, jnp.zeros_like(batch.weights),
+                                       jnp.zeros_like(batch.denom_weights))
+    grads, _ = _accumulated_grads(model, split_microbatches(empty, 2))
+    for g in jax.tree.leaves(grads):
+        assert bool(jnp.all(jnp.isfinite(g))) and not bool(jnp.any(g != 0))
+    trainer = Trainer(sft_objective, make_optimizer(OptimizerConfig(learning_rate=1e-2, weight_decay=0.1)),
+                      TrainerConfig(microbatches=2))
+    state = trainer.init(model, key=jax.random.key(0))
+    new_state, metrics = trainer.step(state, empty)
+    assert float(metrics["update_applied"]) == 0.0 and float(metrics["nonfinite"]) == 0.0
+    assert int(new_state.step) == 1
+    assert eqx.tree_equal((new_state.params, new_state.opt_state), (state.params, state.opt_state))
+
+
+def _run(trainer, state, batches, **kwargs):
+    losses = []
+    for batch in batches:
+        state, metrics = trainer.step(state, batch, **kwargs)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def test_streaming_accumulation_matches_scan(toy_model, batch_factory):
+    model = toy_model(key=jax.random.key(5))
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-2, schedule="constant", weight_decay=0.01))
+    batches = [batch_factory(10 + i, rows=12) for i in range(2)]
+
+    scan = Trainer(sft_objective, optimizer, TrainerConfig(microbatches=3))
+    scan_state = scan.init(model, key=jax.random.key(0))
+    streaming = Trainer(sft_objective, optimizer, TrainerConfig(streaming=True))
+    stream_state = streaming.init(model, key=jax.random.key(0))
+    for batch in batches:
+        stacked = split_microbatches(batch, 3)
+        scan_state, scan_metrics = scan.step_microbatches(scan_state, stacked)
+        for i in range(3):
+            part = jax.tree.map(lambda x, i=i: x[i : i + 1], stacked)
+            stream_state, stream_metrics = streaming.step_microbatches(stream_state, part, is_update_step=i == 2)
+        np.testing.assert_allclose(stream_metrics["loss"], scan_metrics["loss"], rtol=1e-6)
+        assert int(stream_state.accumulator.count) == 0
+    assert _relative_error(stream_state.params, scan_state.params) <= 1e-6
+    assert int(stream_state.step) == int(scan_state.step) == 2
+
+
+def test_streaming_without_accumulator_is_refused(toy_model, batch_factory):
+    trainer = Trainer(sft_objective, optax.sgd(0.1))
+    state = trainer.init(toy_model(key=jax.random.key(0)), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="streaming=True"):
+        trainer.step(state, batch_factory(0), is_update_step=False)
+
+
+@pytest.mark.parametrize("inject", [False, True])
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_bf16_adamw_keeps_optimizer_dtypes(toy_model, batch_factory, inject, microbatches):
+    model = toy_model(key=jax.random.key(6), dtype=jnp.bfloat16)
+    config = OptimizerConfig(learning_rate=1e-2, warmup_steps=1, total_steps=10, weight_decay=0.1,
+                             mu_dtype="bfloat16", inject_hyperparams=inject)
+    trainer = Trainer(sft_objective, make_optimizer(config), TrainerConfig(microbatches=microbatches))
+    state = trainer.init(model, key=jax.random.key(0))
+    dtypes = jax.tree.map(lambda x: x.dtype, (state.params, state.opt_state))
+    mus = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state) if "mu" in jax.tree_util.keystr(path)]
+    assert mus and all(m.dtype == jnp.bfloat16 for m in mus)
+    start = state.params
+    for seed in range(3):
+        state, metrics = trainer.step(state, batch_factory(20 + seed, rows=8))
+        assert float(metrics["update_applied"]) == 1.0
+        assert jax.tree.map(lambda x: x.dtype, (state.params, state.opt_state)) == dtypes
+    changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), state.params, start)
+    assert all(jax.tree.leaves(changed))
+
+
+def _nan_batch(batch):
+    weights = jnp.asarray(batch.weights).at[0, :].set(jnp.nan)
+    return DiffusionTokenBatch.create(batch.layout, batch.targets, weights, batch.denom_weights, validate=False)
+
+
+def test_nonfinite_batch_is_skipped_and_counted(toy_model, batch_factory):
+    trainer = Trainer(sft_objective, make_optimizer(OptimizerConfig(schedule="constant")),
+                      TrainerConfig(microbatches=2, max_consecutive_nonfinite=3))
+    state = trainer.init(toy_model(key=jax.random.key(7)), key=jax.random.key(0))
+    good = batch_factory(30, rows=8)
+    state, _ = trainer.step(state, good)
+    before = state
+    state, metrics = trainer.step(state, _nan_batch(good))
+    assert float(metrics["update_applied"]) == 0.0 and float(metrics["nonfinite"]) == 1.0
+    assert int(state.nonfinite_total) == 1 and int(state.step) == 2
+    assert eqx.tree_equal((state.params, state.opt_state), (before.params, before.opt_state))
+    state, metrics = trainer.step(state, good)
+    assert float(metrics["update_applied"]) == 1.0 and int(state.nonfinite_streak) == 0
+    assert int(state.nonfinite_total) == 1
+
+    state, _ = trainer.step(state, _nan_batch(good))
+    state, _ = trainer.step(state, _nan_batch(good))
+    with pytest.raises(NonFiniteError, match="3 update steps in a row"):
+        trainer.step(state, _nan_batch(good))
+
+
+def test_eval_step_reduces_like_the_train_loss(toy_model, batch_factory):
+    model, batch = toy_model(key=jax.random.key(8)), batch_factory(40, rows=12)
+    trainer = Trainer(sft_objective, optax.sgd(0.1), TrainerConfig(microbatches=4))
+    metrics = trainer.eval_step(model, batch, key=jax.random.key(0))
+    np.testing.assert_allclose(metrics["loss"], sft_objective(model, batch).loss.compute(), rtol=1e-6)
+    halves = [jax.tree.map(lambda x, s=s: x[s], batch) for s in (slice(0, 4), slice(4, 12))]
+    both = Trainer(sft_objective, optax.sgd(0.1)).evaluate(model, halves, key=jax.random.key(0))
+    np.testing.assert_allclose(both["loss"], metrics["loss"], rtol=1e-6)
+    np.testing.assert_allclose(both["accuracy"], metrics["accuracy"], rtol=1e-6)
+
+
+def test_sharded_step_equals_single_device(toy_model, batch_factory):
+    assert jax.device_count() == 8
+    model = toy_model(key=jax.random.key(9))
+    trainer = Trainer(sft_objective, make_optimizer(OptimizerConfig(learning_rate=1e-2, schedule="constant")),
+                      TrainerConfig(microbatches=2))
+    batch = batch_factory(50, rows=16)
+    single, single_metrics = trainer.step(trainer.init(model, key=jax.random.key(0)), batch)
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    sharded_model = eqx.filter_shard(model, replicated)
+    sharded_batch = jax.device_put(batch, rows)
+    state, metrics = trainer.step(trainer.init(sharded_model, key=jax.random.key(0)), sharded_batch)
+    assert len(jax.tree.leaves(state.params)[0].sharding.device_set) == 8
+    np.testing.assert_allclose(metrics["loss"], single_metrics["loss"], rtol=1e-6)
+    assert _relative_error(state.params, single.params) <= 1e-6
