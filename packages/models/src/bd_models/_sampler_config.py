@@ -7,6 +7,7 @@ strategy and confidence rule, and stop ids. Every error names the field and how 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 STRATEGIES = ("threshold", "steps")
@@ -52,7 +53,7 @@ class SamplerConfig:
     steps_per_block: int | None = None
     max_steps_per_block: int | None = None
     confidence: str = "probability"
-    stop_ids: tuple[int, ...] = ()
+    stop_ids: Sequence[int] = ()
 
     def __post_init__(self):
         _check_int("block_size", self.block_size, 1)

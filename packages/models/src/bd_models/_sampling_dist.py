@@ -19,9 +19,9 @@ NEG_INF = -jnp.inf
 def sampling_logprobs(
     logits: Float[Array, "*batch vocab"],
     *,
-    temperature: float | Float[Array, ""],
+    temperature: float | int | Float[Array, ""],
     top_k: int | Int[Array, ""] | None = None,
-    top_p: float | Float[Array, ""] | None = None,
+    top_p: float | int | Float[Array, ""] | None = None,
     banned_ids: Sequence[int] = (),
 ) -> Float[Array, "*batch vocab"]:
     """Float32 log-probs of the distribution actually sampled; excluded ids are -inf.

@@ -1,0 +1,226 @@
+"""The sampler: config validation, the shared sampling distribution against a numpy reference,
+determinism and diversity, compile-once, KV cache == full recompute, stops, commit schedules."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bd_models._config import ModelConfig
+from bd_models._model import BlockDiffusionLM
+from bd_models._sampler import sample
+from bd_models._sampler_config import SamplerConfig, SamplerConfigError
+from bd_models._sampler_text import completion_ids, decode_completions
+from bd_models._sampling_dist import confidence, entropy, sampling_logprobs
+
+VOCAB, MASK, PAD, BLOCK = 32, 31, 30, 4
+STOPS = (3, 5, 7)  # frequent enough under a random model that rows stop mid-generation
+MODEL = BlockDiffusionLM(ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
+                                     block_size=BLOCK, q_tile=16, k_tile=16), key=jax.random.PRNGKey(0))
+
+
+def config(**changes) -> SamplerConfig:
+    base = dict(block_size=BLOCK, max_new_tokens=12, mask_id=MASK, pad_id=PAD, temperature=1.0, threshold=0.5,
+                stop_ids=STOPS)
+    return SamplerConfig(**{**base, **changes})
+
+
+def prompts(seed: int, batch: int = 4, length: int = 8):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, PAD, (batch, length)).astype(np.int32)
+    valid = np.arange(length)[None, :] >= rng.integers(0, length - 1, (batch, 1))  # left padding
+    return np.where(valid, tokens, PAD).astype(np.int32), valid
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(max_new_tokens=10), "max_new_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(strategy="greedy"), "strategy"),
+    (dict(confidence="logit"), "confidence"),
+    (dict(threshold=1.5), "threshold"),
+    (dict(steps_per_block=2), "steps_per_block"),  # belongs to strategy='steps'
+    (dict(strategy="steps", steps_per_block=5), "steps_per_block"),
+    (dict(strategy="steps", max_steps_per_block=2), "max_steps_per_block"),
+    (dict(stop_ids=(MASK,)), "stop_ids"),
+])
+def test_config_errors_name_the_field(changes, field):
+    with pytest.raises(SamplerConfigError, match=rf"SamplerConfig\.{field}:"):
+        config(**changes)
+
+
+def test_config_checks_against_the_model():
+    with pytest.raises(SamplerConfigError, match="block_size"):
+        sample(MODEL, prompts(0), config(block_size=2, max_new_tokens=12), key=jax.random.PRNGKey(0))
+    with pytest.raises(SamplerConfigError, match="top_k"):
+        sample(MODEL, prompts(0), config(top_k=VOCAB + 1), key=jax.random.PRNGKey(0))
+    assert config(stop_ids=[3, 5]).stop_ids == (3, 5) and hash(config(stop_ids=[3, 5]))
+
+
+def reference_logprobs(logits, temperature, top_k, top_p, banned):
+    """Float64 numpy reference: ban, temper, keep the top k, then the smallest top-p prefix."""
+    x = np.asarray(logits, np.float64).copy()
+    x[..., list(banned)] = -np.inf
+    x = x / temperature
+    if top_k is not None:
+        kth = -np.sort(-x, axis=-1)[..., top_k - 1:top_k]
+        x = np.where(x >= kth, x, -np.inf)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    if top_p is not None:
+        out = np.zeros_like(p)
+        for idx in np.ndindex(p.shape[:-1]):
+            order = np.argsort(-p[idx], kind="stable")
+            mass, keep = 0.0, []
+            for i in order:
+                if mass >= top_p:
+                    break
+                keep.append(i)
+                mass += p[idx][i]
+            out[idx][keep] = p[idx][keep]
+        p = out / out.sum(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        return np.log(p)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.5, 5, None), (1.3, None, 0.7),
+                                                       (0.8, 7, 0.6), (0.3, 1, 0.9)])
+def test_sampling_logprobs_match_reference(temperature, top_k, top_p):
+    logits = jax.random.normal(jax.random.PRNGKey(1), (3, 5, VOCAB)) * 2.0
+    got = sampling_logprobs(logits, temperature=temperature, top_k=top_k, top_p=top_p, banned_ids=(MASK, PAD))
+    want = reference_logprobs(logits, temperature, top_k, top_p, (MASK, PAD))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(np.asarray(got)[finite], want[finite], atol=2e-5)
+    assert np.all(np.isneginf(np.asarray(got)[..., [MASK, PAD]]))
+    # traced knobs (how the sampler calls it) give the same numbers as Python ones (how scoring may)
+    traced = jax.jit(lambda t, k, p: sampling_logprobs(
+        logits, temperature=t, top_k=None if top_k is None else k, top_p=None if top_p is None else p,
+        banned_ids=(MASK, PAD)))(jnp.float32(temperature), jnp.int32(top_k or 0), jnp.float32(top_p or 1.0))
+    np.testing.assert_allclose(traced, got, atol=1e-6)
+
+
+def test_greedy_and_confidence_rules():
+    logits = jax.random.normal(jax.random.PRNGKey(2), (6, VOCAB))
+    greedy = sampling_logprobs(logits, temperature=0, banned_ids=(MASK,))
+    best = np.argmax(np.where(np.arange(VOCAB) == MASK, -np.inf, logits), -1)
+    np.testing.assert_array_equal(np.argmax(greedy, -1), best)
+    assert np.all(np.sum(np.isfinite(greedy), -1) == 1)
+    logp = sampling_logprobs(logits, temperature=1.0)
+    tokens = jnp.argmax(logp, -1)
+    p = np.exp(np.asarray(logp, np.float64))
+    top2 = -np.sort(-p, -1)[:, :2]
+    np.testing.assert_allclose(confidence(logp, tokens, "probability"), top2[:, 0], rtol=1e-5)
+    np.testing.assert_allclose(confidence(logp, tokens, "margin"), top2[:, 0] - top2[:, 1], rtol=1e-4)
+    np.testing.assert_allclose(entropy(logp), -np.sum(p * np.log(p), -1), rtol=1e-5)
+    np.testing.assert_allclose(confidence(logp, tokens, "entropy"), np.exp(-np.sum(-p * np.log(p), -1)), rtol=1e-5)
+
+
+def check_rollout(out, cfg: SamplerConfig, prefill: int):
+    """Structural invariants of any rollout: whole blocks, stops end a row, every generated
+    position committed exactly once by a valid step of its block, NFE = prefill + valid steps."""
+    out.validate()
+    b, P = cfg.block_size, out.prompt_tokens.shape[1]
+    tokens, valid = np.asarray(out.completion_tokens), np.asarray(out.completion_valid)
+    tr = {k: np.asarray(getattr(out.trace, k)) for k in ("block_ids", "committed", "tokens", "step_valid")}
+    for r in range(tokens.shape[0]):
+        blocks_valid = valid[r].reshape(-1, b)
+        assert np.all(blocks_valid == blocks_valid[:, :1]), "validity comes in whole blocks"
+        n_valid = int(blocks_valid[:, 0].sum())
+        assert np.all(blocks_valid[:n_valid]) and not np.any(blocks_valid[n_valid:])
+        blocks = tokens[r].reshape(-1, b)
+        has_stop = np.isin(blocks[:n_valid], cfg.stop_ids).any(-1)
+        assert not has_stop[:-1].any(), "a row stops after its first block with a stop id"
+        assert n_valid == len(blocks) or has_stop[-1]
+        assert np.all(blocks[n_valid:] == cfg.pad_id)
+        assert not np.isin(blocks[:n_valid], cfg.banned_ids).any()
+        steps = tr["step_valid"][r]
+        for j in range(len(blocks)):
+            in_block = steps & (tr["block_ids"][r] == P // b + j)
+            counts = tr["committed"][r][in_block].sum(0)
+            if j < n_valid:
+                assert np.all(counts == 1) and 1 <= in_block.sum() <= cfg.steps_cap
+                rebuilt = (tr["tokens"][r][in_block] * tr["committed"][r][in_block]).sum(0)
+                np.testing.assert_array_equal(rebuilt, blocks[j])
+            else:
+                assert in_block.sum() == 0
+        assert int(out.nfe[r]) == prefill + int(steps.sum())
+
+
+def test_threshold_rollout_with_stops_is_well_formed_and_reproducible():
+    cfg = config()
+    out = sample(MODEL, prompts(1), cfg, key=jax.random.PRNGKey(3))
+    check_rollout(out, cfg, prefill=1)
+    valid = np.asarray(out.completion_valid)
+    assert (~valid).any() and valid[:, 0].all(), "this key is chosen so that some row stops mid-generation"
+    again = sample(MODEL, prompts(1), cfg, key=jax.random.PRNGKey(3))
+    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(again)):
+        np.testing.assert_array_equal(a, b)
+    other = sample(MODEL, prompts(1), cfg, key=jax.random.PRNGKey(4))
+    assert not np.array_equal(other.completion_tokens, out.completion_tokens)
+
+
+def test_group_samples_of_one_prompt_differ():
+    tokens, valid = prompts(2, batch=1)
+    group = (np.repeat(tokens, 4, 0), np.repeat(valid, 4, 0))
+    out = sample(MODEL, group, config(), key=jax.random.PRNGKey(5))
+    completions = {tuple(row) for row in np.asarray(out.completion_tokens)}
+    assert len(completions) > 1
+
+
+def test_second_call_of_a_bucket_compiles_nothing():
+    compiles = []
+    sample(MODEL, prompts(6), config(), key=jax.random.PRNGKey(6))
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+        else None)
+    try:
+        new_model = BlockDiffusionLM(MODEL.config, key=jax.random.PRNGKey(9))
+        out = sample(new_model, prompts(7), config(temperature=0.7, threshold=0.8, top_k=None),
+                     key=jax.random.PRNGKey(7))
+        out.completion_tokens.block_until_ready()
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert compiles == [], "new prompts, weights and knob values of one bucket must reuse the compiled program"
+
+
+@pytest.mark.parametrize("cfg", [config(temperature=0.6, top_k=9, top_p=0.9),
+                                 config(strategy="steps", steps_per_block=2, confidence="margin", threshold=0.9)])
+def test_cached_sampling_equals_full_recompute(cfg):
+    tokens, valid = prompts(8)
+    cached = sample(MODEL, (tokens, valid), cfg, key=jax.random.PRNGKey(8))
+    recompute = sample(MODEL, (tokens, valid), cfg, key=jax.random.PRNGKey(8), use_cache=False)
+    np.testing.assert_array_equal(cached.completion_tokens, recompute.completion_tokens)
+    np.testing.assert_array_equal(cached.trace.committed, recompute.trace.committed)
+    np.testing.assert_allclose(cached.trace.logprobs, recompute.trace.logprobs, atol=1e-5, rtol=0)
+    check_rollout(cached, cfg, prefill=1)
+    if cfg.strategy == "steps":  # 2 steps per block, 2 tokens each, for every generated block
+        committed = np.asarray(cached.trace.committed).sum(-1)[np.asarray(cached.trace.step_valid)]
+        assert np.all(committed == 2)
+
+
+def test_one_token_per_step_and_single_block_prompts():
+    cfg = config(strategy="steps", stop_ids=())
+    tokens, valid = prompts(10, length=BLOCK)
+    out = sample(MODEL, (tokens, valid), cfg, key=jax.random.PRNGKey(10))
+    check_rollout(out, cfg, prefill=0)  # the only prompt block is committed by the first step
+    assert np.all(np.asarray(out.nfe) == cfg.max_new_tokens)
+
+
+class _Letters:
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_decode_drops_everything_after_the_first_stop():
+    cfg = config()
+    out = sample(MODEL, prompts(1), cfg, key=jax.random.PRNGKey(3))
+    texts = decode_completions(_Letters(), out, stop_ids=cfg.stop_ids)
+    for text, ids, tokens, valid in zip(texts, completion_ids(out, stop_ids=cfg.stop_ids),
+                                        np.asarray(out.completion_tokens), np.asarray(out.completion_valid)):
+        generated = tokens[valid].tolist()
+        cut = next((i for i, t in enumerate(generated) if t in cfg.stop_ids), len(generated))
+        assert ids == generated[:cut] and text == _Letters().decode(generated[:cut])
