@@ -9,6 +9,13 @@ from ._accumulate import accumulate as accumulate
 from ._accumulate import interleave_microbatches as interleave_microbatches
 from ._accumulate import normalize as normalize
 from ._accumulate import split_microbatches as split_microbatches
+from ._checkpoint import Checkpointer as Checkpointer
+from ._checkpoint import CheckpointError as CheckpointError
+from ._checkpoint import CheckpointMismatch as CheckpointMismatch
+from ._fingerprints import model_identity as model_identity
+from ._fingerprints import rollout_semantics as rollout_semantics
+from ._loop import LoopResult as LoopResult
+from ._loop import train_loop as train_loop
 from ._optim import OptimizerConfig as OptimizerConfig
 from ._optim import make_optimizer as make_optimizer
 from ._sft import sft_loss as sft_loss

@@ -1,0 +1,281 @@
+"""Orbax checkpoints of a `TrainState` (+ data-iterator state) with fingerprinted JSON metadata.
+
+Restores fail closed: fingerprints, then every saved leaf's shape and dtype are compared with the
+target before any array is read, and the error names each differing field or leaf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import equinox as eqx
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from bd_core import Fingerprint, FingerprintMismatch
+
+from ._fingerprints import as_plain_dict
+from ._trainer import TrainState
+
+ARRAY_ITEMS = ("model", "opt_state", "rng", "counters")
+_VERSIONED = ("bd-core", "bd-data", "bd-models", "bd-train", "jax", "equinox", "optax", "orbax-checkpoint", "grain")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or was asked for in a way that cannot work."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """The saved tree differs from the target; `differences` maps leaf path -> (saved, target)."""
+
+    def __init__(self, differences: Mapping[str, tuple[Any, Any]], context: str):
+        self.differences = dict(differences)
+        lines = [f"  {path}: saved {saved}, target {target}" for path, (saved, target) in sorted(self.differences.items())]
+        super().__init__(
+            f"{context}: the saved tree differs from the target in {len(lines)} leaf/leaves:\n" + "\n".join(lines)
+            + "\nBuild the target with the config the checkpoint was made with, or start from a matching checkpoint."
+        )
+
+
+def _key_name(entry: Any) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _is_leaf_array(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _nested(tree: Any) -> dict:
+    """Array leaves of any pytree as nested dicts keyed by path names (portable across pytree
+    classes, and the names a mismatch reports)."""
+    out: dict = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(eqx.filter(tree, _is_leaf_array))[0]:
+        node = out
+        names = [_key_name(p) for p in path]
+        for name in names[:-1]:
+            node = node.setdefault(name, {})
+        node[names[-1] if names else "value"] = leaf
+    return out
+
+
+def _flat(nested: Mapping, prefix: str) -> dict[str, Any]:
+    out = {}
+    for key, value in nested.items():
+        path = f"{prefix}/{key}"
+        out.update(_flat(value, path) if isinstance(value, Mapping) else {path: value})
+    return out
+
+
+def _fill(tree: Any, nested: Mapping) -> Any:
+    """Replace the array leaves of `tree` by the same-path entries of `nested`."""
+
+    def pick(path, leaf):
+        if not _is_leaf_array(leaf):
+            return leaf
+        node: Any = nested
+        for name in [_key_name(p) for p in path] or ["value"]:
+            node = node[name]
+        return node
+
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def _arrays_of(state: TrainState) -> dict[str, Any]:
+    key = state.key
+    return {
+        "model": _nested(state.model),
+        "opt_state": _nested(state.opt_state),
+        "rng": {"key": jax.eval_shape(jax.random.key_data, key) if isinstance(key, jax.ShapeDtypeStruct) and _is_key(key)
+                else jax.random.key_data(key) if _is_key(key) else key},
+        "counters": {"step": state.step, "nonfinite_total": state.nonfinite_total,
+                     "nonfinite_streak": state.nonfinite_streak},
+    }
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    sharding = getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
+def _describe(shape: Any, dtype: Any) -> str:
+    return f"{tuple(shape)} {jnp.dtype(dtype).name}"
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for name in _VERSIONED:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "unknown"
+    return out
+
+
+class Checkpointer:
+    """Saves and restores `TrainState`s under `directory/<step>` with an Orbax `CheckpointManager`.
+
+    Items: `model`, `opt_state`, `rng`, `counters` (arrays), `meta` (JSON: fingerprints, versions,
+    config) and, when given, `data` (a grain iterator's state). Saves are atomic (Orbax writes a
+    temp dir and renames it); stray temp dirs are ignored.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, async_save: bool = False,
+                 create: bool = True):
+        self.directory = os.path.abspath(os.fspath(directory))
+        if not create and not os.path.isdir(self.directory):
+            raise CheckpointError(f"checkpoint directory {self.directory} does not exist; check the path, or pass "
+                                  "create=True to start a new one")
+        handlers = {name: ocp.StandardCheckpointHandler() for name in ARRAY_ITEMS}
+        handlers["meta"] = ocp.JsonCheckpointHandler()
+        handlers["data"] = grain.checkpoint.CheckpointHandler()
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create,
+                                               enable_async_checkpointing=async_save)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    # -- queries -------------------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def _resolve(self, step: int | None) -> int:
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoint in {self.directory}; train from scratch or point to the directory "
+                                  "a previous run saved into")
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available steps: {steps}")
+        return step
+
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        step = self._resolve(step)
+        return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+
+    def fingerprints(self, step: int | None = None) -> dict[str, Fingerprint]:
+        return {name: Fingerprint.from_json(record) for name, record in self.read_meta(step)["fingerprints"].items()}
+
+    # -- save ----------------------------------------------------------------------------------------
+
+    def save(self, state: TrainState, *, fingerprints: Mapping[str, Fingerprint] | None = None,
+             config: Any = None, data_iterator: Any = None, force: bool = False) -> int:
+        """Save `state` at its step; returns the step. `config` (a mapping or dataclass) is stored
+        whole in the JSON metadata."""
+        if state.accumulator is not None and int(state.accumulator.count) != 0:
+            raise CheckpointError("save: the state holds a partly accumulated update; save after a call with "
+                                  "is_update_step=True")
+        step = int(state.step)
+        meta = {
+            "step": step,
+            "fingerprints": {name: fp.to_json() for name, fp in (fingerprints or {}).items()},
+            "versions": _versions(),
+            "config": None if config is None else as_plain_dict(config, "save(config=...)"),
+            "has_data_state": data_iterator is not None,
+        }
+        # Orbax refuses empty trees (e.g. plain SGD's optimizer state): such items are left out.
+        items = {name: ocp.args.StandardSave(tree) for name, tree in _arrays_of(state).items() if tree}
+        items["meta"] = ocp.args.JsonSave(meta)
+        if data_iterator is not None:
+            items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+        self._manager.save(step, args=ocp.args.Composite(**items), force=force)
+        return step
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- restore -------------------------------------------------------------------------------------
+
+    def check_fingerprints(self, current: Mapping[str, Fingerprint], step: int | None = None) -> None:
+        """Raise `FingerprintMismatch` naming every differing `<fingerprint>.<field>`."""
+        step = self._resolve(step)
+        saved = self.fingerprints(step)
+        differences: dict[str, tuple[Any, Any]] = {}
+        for name, fp in current.items():
+            if name not in saved:
+                differences[name] = ("<not recorded>", fp.digest[:12])
+                continue
+            differences.update({f"{name}.{field}": pair for field, pair in saved[name].diff(fp).items()})
+        if differences:
+            raise FingerprintMismatch(differences, f"checkpoint {self.directory} step {step}")
+
+    def check_tree(self, target: TrainState, step: int | None = None) -> None:
+        """Raise `CheckpointMismatch` naming every leaf whose shape or dtype differs, or that
+        exists on one side only."""
+        step = self._resolve(step)
+        metadata = self._manager.item_metadata(step)
+        differences = {}
+        for name, tree in _arrays_of(target).items():
+            item = metadata.get(name) if hasattr(metadata, "get") else metadata[name]
+            if item is None and name in ("rng", "counters"):
+                raise CheckpointError(f"checkpoint {self.directory} step {step} has no {name!r} item; it is "
+                                      "incomplete or was not written by bd_train")
+            saved = {} if item is None else _flat(item.tree, name)
+            wanted = _flat(tree, name)
+            for path in sorted(set(saved) | set(wanted)):
+                if path not in wanted:
+                    differences[path] = (_describe(saved[path].shape, saved[path].dtype), "<absent>")
+                elif path not in saved:
+                    differences[path] = ("<absent>", _describe(np.shape(wanted[path]), wanted[path].dtype))
+                else:
+                    a, b = saved[path], wanted[path]
+                    if tuple(a.shape) != tuple(np.shape(b)) or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
+                        differences[path] = (_describe(a.shape, a.dtype), _describe(np.shape(b), b.dtype))
+        if differences:
+            raise CheckpointMismatch(differences, f"checkpoint {self.directory} step {step}")
+
+    def restore(self, target: TrainState, *, step: int | None = None,
+                fingerprints: Mapping[str, Fingerprint] | None = None, data_iterator: Any = None) -> TrainState:
+        """Restore into the structure, shardings and dtypes of `target` (a fresh state, or one of
+        `jax.ShapeDtypeStruct`s from `eqx.filter_eval_shape`), after checking `fingerprints`
+        and the tree. `data_iterator`, if given, is set to the saved position in place."""
+        step = self._resolve(step)
+        self.check_fingerprints(fingerprints or {}, step)
+        self.check_tree(target, step)
+        if data_iterator is not None and not self.read_meta(step).get("has_data_state"):
+            raise CheckpointError(f"checkpoint {self.directory} step {step} holds no data-iterator state; restore "
+                                  "without data_iterator= and position the data yourself")
+        arrays = _arrays_of(target)
+        items = {name: ocp.args.StandardRestore(jax.tree_util.tree_map(_abstract, tree))
+                 for name, tree in arrays.items() if tree}
+        if data_iterator is not None:
+            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        key = restored["rng"]["key"]
+        if _is_key(target.key):
+            key = jax.random.wrap_key_data(key, impl=jax.random.key_impl(target.key))
+        counters = restored["counters"]
+        return dataclasses.replace(
+            target,
+            step=counters["step"],
+            model=_fill(target.model, restored.get("model") or {}),
+            opt_state=_fill(target.opt_state, restored.get("opt_state") or {}),
+            key=key,
+            nonfinite_total=counters["nonfinite_total"],
+            nonfinite_streak=counters["nonfinite_streak"],
+        )

@@ -1,0 +1,145 @@
+"""Orbax checkpoints: bit-for-bit resume in a fresh process, fail-closed fingerprint and tree
+checks, stray temp dirs, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from bd_core import FingerprintMismatch
+from bd_models import BlockDiffusionLM, ModelConfig
+from bd_train import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointMismatch,
+    OptimizerConfig,
+    Trainer,
+    TrainerConfig,
+    make_optimizer,
+    model_identity,
+    rollout_semantics,
+    sft_objective,
+    train_loop,
+)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import resume_run  # noqa: E402
+
+TINY = ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, block_size=4,
+                   attention="dense")
+
+
+def _identity(config: ModelConfig, *, mask_id: int = 15, tokenizer: str = "bytes-v1"):
+    return model_identity(config, tokenizer=tokenizer, vocab_size=config.vocab_size, mask_id=mask_id,
+                          block_size=config.block_size)
+
+
+def _real_state(config: ModelConfig):
+    trainer = Trainer(sft_objective, make_optimizer(OptimizerConfig(mu_dtype="bfloat16")))
+    return trainer.init(BlockDiffusionLM(config, key=jax.random.key(0)), key=jax.random.key(1))
+
+
+def test_resume_in_fresh_process_is_bit_identical(tmp_path):
+    n = 3
+    full_params, full_losses = resume_run.run("full", str(tmp_path / "unused"), 2 * n)
+    first_params, first_losses = resume_run.run("first", str(tmp_path / "ckpt"), n)
+    out = tmp_path / "resumed.npz"
+    subprocess.run([sys.executable, os.path.join(HERE, "resume_run.py"), "resume", str(tmp_path / "ckpt"), str(n),
+                    str(out)], check=True, env=dict(os.environ), timeout=300)
+    resumed = np.load(out)
+    np.testing.assert_array_equal(np.asarray(first_losses + list(resumed["losses"]), np.float32),
+                                  np.asarray(full_losses, np.float32))
+    np.testing.assert_array_equal(resumed["params"], full_params)
+    assert not np.array_equal(first_params, full_params)
+
+
+def test_restore_round_trips_real_model_and_fingerprints(tmp_path):
+    state = _real_state(TINY)
+    fingerprints = {"model_identity": _identity(TINY)}
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(state, fingerprints=fingerprints, config={"model": TINY.to_dict(), "lr": 3e-4})
+        restored = checkpointer.restore(_real_state(TINY), fingerprints=fingerprints)
+        meta = checkpointer.read_meta()
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), restored.model, state.model))
+    leaves = jax.tree.leaves(restored.opt_state)
+    assert [x.dtype for x in leaves] == [x.dtype for x in jax.tree.leaves(state.opt_state)]
+    assert meta["config"]["model"]["d_ff"] == 32 and meta["versions"]["optax"] == "0.2.8"
+
+
+def test_identity_mismatch_fails_closed_naming_fields(tmp_path):
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(_real_state(TINY), fingerprints={"model_identity": _identity(TINY)})
+        other = TINY.replace(block_size=8)
+        with pytest.raises(FingerprintMismatch) as error:
+            checkpointer.restore(_real_state(TINY), fingerprints={
+                "model_identity": _identity(other, mask_id=14, tokenizer="hf:tokenizer.json")})
+    message = str(error.value)
+    for field in ("model_identity.block_size", "model_identity.mask_id", "model_identity.tokenizer",
+                  "model_identity.architecture"):
+        assert field in message
+    assert "model_identity.vocab_size" not in message
+
+
+def test_rollout_semantics_mismatch_names_the_field(tmp_path):
+    sampler = dict(temperature=1.0, top_k=None, top_p=None, strategy="threshold", confidence="probability",
+                   threshold=0.9, steps_per_block=None, max_steps_per_block=None, stop_ids=(3,), block_size=4,
+                   max_new_tokens=8)
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(_real_state(TINY), fingerprints={"rollout": rollout_semantics(sampler, prompt_len=8)})
+        with pytest.raises(FingerprintMismatch, match="rollout.threshold"):
+            checkpointer.check_fingerprints({"rollout": rollout_semantics({**sampler, "threshold": 0.8},
+                                                                           prompt_len=8)})
+    with pytest.raises(ValueError, match="lacks field"):
+        rollout_semantics({"temperature": 1.0}, prompt_len=8)
+
+
+def test_width_mismatch_fails_closed_naming_the_leaf(tmp_path):
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(_real_state(TINY))
+        with pytest.raises(CheckpointMismatch) as error:
+            checkpointer.restore(_real_state(TINY.replace(d_ff=48)))
+    paths = set(error.value.differences)
+    assert paths and all("w_" in p for p in paths)
+    assert any(p.startswith("model/layers/") for p in paths) and any(p.startswith("opt_state/") for p in paths)
+    assert "model/embedding" not in paths
+    assert "(1, 16, 32) float32" in str(error.value) and "(1, 16, 48) float32" in str(error.value)
+
+
+def test_stray_temp_dir_is_ignored_and_missing_dirs_are_clear(tmp_path):
+    state = _real_state(TINY)
+    with Checkpointer(tmp_path / "ckpt") as checkpointer:
+        checkpointer.save(state)
+    os.makedirs(tmp_path / "ckpt" / "9.orbax-checkpoint-tmp-1234" / "model")
+    with Checkpointer(tmp_path / "ckpt") as checkpointer:
+        assert checkpointer.all_steps() == [0]
+        restored = checkpointer.restore(_real_state(TINY))
+        assert int(restored.step) == 0
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Checkpointer(tmp_path / "nowhere", create=False)
+    with Checkpointer(tmp_path / "empty") as checkpointer, pytest.raises(CheckpointError, match="no checkpoint"):
+        checkpointer.restore(state)
+
+
+def test_sigterm_saves_the_current_step_and_stops(tmp_path, toy_model, batch_factory):
+    trainer = Trainer(sft_objective, optax.sgd(0.1), TrainerConfig())
+    state = trainer.init(toy_model(key=jax.random.key(0)), key=jax.random.key(1))
+    batches = (batch_factory(i) for i in range(100))
+
+    def preempt(step, metrics):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    with Checkpointer(tmp_path) as checkpointer:
+        result = train_loop(trainer, state, batches, num_steps=50, checkpointer=checkpointer, on_step=preempt)
+        assert result.preempted and int(result.state.step) == 3
+        assert checkpointer.all_steps() == [3]
+    assert signal.getsignal(signal.SIGTERM) == previous
