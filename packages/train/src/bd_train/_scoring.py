@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from bd_core import DiffusionTokenBatch
 from bd_models._sampling_dist import entropy, sampling_logprobs, token_logprob
@@ -19,9 +19,9 @@ def token_logprobs(
     model,
     batch: DiffusionTokenBatch,
     *,
-    temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    temperature: float | int | Float[Array, ""],
+    top_k: int | Int[Array, ""] | None = None,
+    top_p: float | int | Float[Array, ""] | None = None,
     banned_ids: Sequence[int] = (),
     stop_gradient: bool = True,
     with_entropy: bool = False,
@@ -29,7 +29,8 @@ def token_logprobs(
     """Log-prob of each target where `batch.weights > 0` (0 elsewhere) and, if asked, the entropy
     of the sampling distribution there. `stop_gradient=True` (old-policy and reference scoring)
     blocks the gradient into the model; pass False for the policy being optimized.
-    `SamplerConfig.distribution_kwargs()` gives the distribution keywords of a rollout.
+    `SamplerConfig.distribution_kwargs()` gives the distribution keywords of a rollout; the knobs
+    may also be traced scalars, so a jitted caller compiles once for all their values.
     """
     logits_BxTxV = model(batch.layout)
     if stop_gradient:
