@@ -162,7 +162,11 @@ def _generate(model, prompt_tokens, prompt_valid, key, knobs: _Knobs, config: Sa
         step_key = jax.random.fold_in(jax.random.fold_in(key, j), state.step)
         logp = sampling_logprobs(logits, **_distribution(config, knobs))
         tokens = jax.random.categorical(step_key, logp, axis=-1).astype(jnp.int32)
-        commit = _commit_set(confidence(logp, tokens, config.confidence), state.masked, state.step, config,
+        # a greedy distribution is one-hot: its confidence would always be 1, so greedy decoding
+        # scores confidence under the untempered distribution (same filters and bans)
+        conf_logp = logp if config.temperature else sampling_logprobs(
+            logits, **{**_distribution(config, knobs), "temperature": jnp.float32(1.0)})
+        commit = _commit_set(confidence(conf_logp, tokens, config.confidence), state.masked, state.step, config,
                              knobs.threshold)
         commit = commit & live[:, None]
         trace = state.trace.record(j * cap + state.step, first_block + j, commit, tokens,

@@ -38,7 +38,8 @@ class SamplerConfig:
     (default `block_size`); `steps` commits `block_size / steps_per_block` positions per step
     (default one per step). The last allowed step commits everything left. Confidence is the
     sampled token's `probability`, the top-1 minus top-2 `margin`, or `entropy` as exp(-H); all lie
-    in [0, 1]. A row stops after the block that contains one of `stop_ids`.
+    in [0, 1] (greedy decoding scores it at temperature 1). A row stops after the block that
+    contains one of `stop_ids`.
     """
 
     block_size: int
