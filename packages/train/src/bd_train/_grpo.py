@@ -1,0 +1,197 @@
+"""GRPO-family objective over replayed diffusion traces, as one numerator/denominator pair.
+
+Per action token: a clipped importance-ratio objective (token or `gspo-token` sequence ratio,
+DAPO's `epsilon_low/high`), plus β·k3 KL to a reference. Aggregations are written as sums over
+tokens and sequences so microbatch accumulation stays exact. Legend: B rows, T packed tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from bd_core import DiffusionTokenBatch, LossOutput, RolloutOutput, WeightedMetric
+
+ArrayLike = Array | np.ndarray
+Advantage = Literal["grpo", "drgrpo", "rloo"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """`ratio`: `token` (per-token ratios) or `gspo-token` (the sequence's geometric-mean ratio,
+    with per-token gradients). `aggregation`: `token-mean` (Σ over all tokens / tokens),
+    `seq-mean-token-mean` (mean over sequences of per-sequence token means) or
+    `seq-mean-token-sum-norm` (Dr. GRPO: per-sequence token sums / `norm_length`, mean over
+    sequences). `beta` weighs the k3 KL to the reference policy."""
+
+    advantage: Advantage = "grpo"
+    ratio: Literal["token", "gspo-token"] = "token"
+    aggregation: Aggregation = "token-mean"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.0
+    norm_length: int | None = None
+    advantage_eps: float = 1e-4
+
+    def __post_init__(self):
+        def fail(field, problem, fix):
+            raise ValueError(f"GRPOConfig.{field}: {problem}; {fix}")
+
+        if self.advantage not in ("grpo", "drgrpo", "rloo"):
+            fail("advantage", f"unknown value {self.advantage!r}", "use 'grpo', 'drgrpo' or 'rloo'")
+        if self.ratio not in ("token", "gspo-token"):
+            fail("ratio", f"unknown value {self.ratio!r}", "use 'token' or 'gspo-token'")
+        if self.aggregation not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+            fail("aggregation", f"unknown value {self.aggregation!r}",
+                 "use 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'")
+        if not 0 <= self.epsilon_low < 1:
+            fail("epsilon_low", f"must be in [0, 1), got {self.epsilon_low}", "use e.g. 0.2")
+        if not self.epsilon_high >= 0:
+            fail("epsilon_high", f"must be >= 0, got {self.epsilon_high}", "use e.g. 0.2 or 0.28 (clip-higher)")
+        if not self.beta >= 0:
+            fail("beta", f"must be >= 0, got {self.beta}", "use 0 to drop the KL term")
+        if self.aggregation == "seq-mean-token-sum-norm" and (self.norm_length is None or self.norm_length < 1):
+            fail("norm_length", f"aggregation='seq-mean-token-sum-norm' needs a positive constant, got "
+                 f"{self.norm_length}", "set it to the maximum number of completion tokens")
+        if not self.advantage_eps > 0:
+            fail("advantage_eps", f"must be > 0, got {self.advantage_eps}", "use e.g. 1e-4")
+
+
+def compute_advantages(rewards: Float[ArrayLike, " B"], group_size: int, kind: Advantage = "grpo", *,
+                       eps: float = 1e-4) -> Float[Array, " B"]:
+    """Group-relative advantages; rows are consecutive groups of `group_size` samples of a prompt.
+
+    `grpo`: (r − mean) / (std + eps) with the unbiased std; `drgrpo`: r − mean; `rloo`: r minus the
+    mean of the other samples of the group.
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    (b,) = rewards.shape
+    if group_size < 1 or b % group_size:
+        raise ValueError(f"compute_advantages: {b} rewards do not form groups of group_size={group_size}; "
+                         "pass the rewards of whole groups")
+    if kind in ("grpo", "rloo") and group_size < 2:
+        raise ValueError(f"compute_advantages: kind={kind!r} compares samples of a prompt and needs group_size >= 2")
+    grouped = rewards.reshape(b // group_size, group_size)
+    centered = grouped - jnp.mean(grouped, axis=1, keepdims=True)
+    if kind == "grpo":
+        out = centered / (jnp.std(grouped, axis=1, ddof=1, keepdims=True) + eps)
+    elif kind == "drgrpo":
+        out = centered
+    elif kind == "rloo":
+        out = centered * group_size / (group_size - 1)
+    else:
+        raise ValueError(f"compute_advantages: unknown kind {kind!r}; use 'grpo', 'drgrpo' or 'rloo'")
+    return out.reshape(b)
+
+
+def grpo_objective(new_logp: Float[Array, "B T"], old_logp: Float[ArrayLike, "B T"], mask: Any,
+                   advantages: Float[ArrayLike, " B"], config: GRPOConfig, *, ref_logp: Any = None,
+                   entropy: Any = None) -> LossOutput:
+    """The clipped surrogate (negated, to minimize) over action tokens `mask > 0`.
+
+    `old_logp` are the rollout's recorded log-probs, `ref_logp` the reference policy's (needed
+    when `beta > 0`), `entropy` the policy's per-token entropy (reported only).
+    """
+    m = jnp.asarray(mask, jnp.float32)
+    active = m > 0
+    old_logp = jax.lax.stop_gradient(jnp.asarray(old_logp, jnp.float32))
+    new_logp = new_logp.astype(jnp.float32)
+    log_ratio = jnp.where(active, new_logp - old_logp, 0.0)
+    tokens_per_row = jnp.sum(m, axis=1)
+    has_tokens = tokens_per_row > 0
+    safe_len = jnp.where(has_tokens, tokens_per_row, 1.0)
+    if config.ratio == "gspo-token":
+        seq_log_ratio = jnp.sum(m * log_ratio, axis=1) / safe_len
+        # Value: the sequence ratio; gradient: each token's own log-prob (GSPO-token).
+        log_ratio = jnp.where(active, jax.lax.stop_gradient(seq_log_ratio)[:, None] + new_logp
+                              - jax.lax.stop_gradient(new_logp), 0.0)
+    ratio = jnp.exp(log_ratio)
+    adv = jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32))[:, None]
+    low, high = 1.0 - config.epsilon_low, 1.0 + config.epsilon_high
+    surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, low, high) * adv)
+    per_token = -surrogate
+    aux: dict[str, Any] = {}
+    count = jnp.sum(m)
+    if ref_logp is not None:
+        delta = jnp.where(active, jax.lax.stop_gradient(jnp.asarray(ref_logp, jnp.float32)) - new_logp, 0.0)
+        kl = jnp.exp(delta) - delta - 1.0  # k3: unbiased, non-negative estimate of KL(π ‖ π_ref)
+        per_token = per_token + config.beta * kl
+        aux["kl"] = WeightedMetric(jnp.sum(m * kl), count)
+    elif config.beta > 0:
+        raise ValueError("grpo_objective: GRPOConfig.beta > 0 needs ref_logp= (the reference policy's log-probs)")
+    per_token = jnp.where(active, per_token, 0.0)
+
+    if config.aggregation == "token-mean":
+        loss = WeightedMetric(jnp.sum(m * per_token), count)
+    else:
+        row_sum = jnp.sum(m * per_token, axis=1)
+        row = row_sum / safe_len if config.aggregation == "seq-mean-token-mean" else row_sum / config.norm_length
+        loss = WeightedMetric(jnp.sum(jnp.where(has_tokens, row, 0.0)), jnp.sum(has_tokens.astype(jnp.float32)))
+
+    clipped = ((ratio < low) & (adv < 0)) | ((ratio > high) & (adv > 0))
+    aux.update(
+        ratio_mean=WeightedMetric(jnp.sum(m * ratio), count),
+        ratio_max=jnp.max(jnp.where(active, ratio, -jnp.inf), initial=0.0),
+        clip_fraction=WeightedMetric(jnp.sum(m * clipped), count),
+        replay_drift=WeightedMetric(jnp.sum(m * jnp.abs(jnp.where(active, new_logp - old_logp, 0.0))), count),
+        advantage_mean=WeightedMetric(jnp.sum(jnp.where(has_tokens, adv[:, 0], 0.0)),
+                                      jnp.sum(has_tokens.astype(jnp.float32))),
+    )
+    if entropy is not None:
+        aux["entropy"] = WeightedMetric(jnp.sum(m * jnp.where(active, jnp.asarray(entropy, jnp.float32), 0.0)),
+                                        count)
+    return LossOutput(loss, aux)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GRPOBatch:
+    """A replay batch (weights > 0 mark the committed action tokens) with the rollout's recorded
+    log-probs `[B, T]`, per-row advantages `[B]` and, optionally, reference log-probs `[B, T]`."""
+
+    batch: DiffusionTokenBatch
+    old_logp: Array
+    advantages: Array
+    ref_logp: Array | None = None
+
+
+def require_trace(rollout: RolloutOutput) -> RolloutOutput:
+    """GRPO scores exactly the distribution that was sampled, through the trace; a rollout without
+    one is refused rather than rescored autoregressively."""
+    if rollout.trace is None:
+        raise ValueError("GRPO needs the denoising trace of every rollout to replay its log-probs exactly; use "
+                         "rollouts from the block-diffusion sampler, which records one, instead of rescoring "
+                         "completions")
+    return rollout
+
+
+ScoreFn = Callable[[Any, DiffusionTokenBatch], tuple[Array, Array | None]]
+
+
+def make_grpo_loss(config: GRPOConfig, score: ScoreFn) -> Callable[[Any, GRPOBatch, jax.Array], LossOutput]:
+    """A trainer `loss_fn`: `score(model, replay_batch) -> (logp, entropy | None)` must give the
+    differentiable log-probs of the replayed tokens under the sampling distribution (e.g.
+    `token_logprobs(..., stop_gradient=False)` with the rollout's distribution settings)."""
+
+    def loss_fn(model: Any, batch: GRPOBatch, key: jax.Array | None = None) -> LossOutput:
+        del key
+        new_logp, entropy = score(model, batch.batch)
+        return grpo_objective(new_logp, batch.old_logp, batch.batch.weights, batch.advantages, config,
+                              ref_logp=batch.ref_logp, entropy=entropy)
+
+    return loss_fn
+
+
+def distribution_score(distribution: Mapping[str, Any]) -> ScoreFn:
+    """A `score` for `make_grpo_loss` from the sampler's distribution settings (temperature, top_k,
+    top_p, banned_ids), scoring with gradients and entropies."""
+    from ._scoring import token_logprobs
+
+    return lambda model, batch: token_logprobs(model, batch, stop_gradient=False, with_entropy=True, **distribution)

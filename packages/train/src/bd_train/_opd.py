@@ -1,0 +1,95 @@
+"""On-policy distillation: forward KL(teacher_T ‖ student_T)·T² on replayed student views.
+
+The teacher is a stop-gradient target; an optional hard cross-entropy term joins the same
+numerator. Positions are the committed tokens (the batch weights) or every masked position.
+Legend: B batch, T packed tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from bd_core import CLEAN_VIEW, DistillationBatch, LossOutput, WeightedMetric
+
+from ._sft import token_cross_entropy
+
+
+@dataclasses.dataclass(frozen=True)
+class OPDConfig:
+    """`temperature` softens both distributions (the KL is scaled by T² so gradients keep their
+    size); `hard_ce_weight` adds CE to the batch targets; `positions` picks `committed` tokens
+    (weights > 0) or every `masked` position of a noisy view (needs `mask_id`)."""
+
+    temperature: float = 1.0
+    hard_ce_weight: float = 0.0
+    positions: Literal["committed", "masked"] = "committed"
+    mask_id: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"OPDConfig.temperature: must be > 0, got {self.temperature}; use 1.0 for none")
+        if not self.hard_ce_weight >= 0:
+            raise ValueError(f"OPDConfig.hard_ce_weight: must be >= 0, got {self.hard_ce_weight}; use 0 to disable")
+        if self.positions not in ("committed", "masked"):
+            raise ValueError(f"OPDConfig.positions: unknown value {self.positions!r}; use 'committed' or 'masked'")
+        if self.positions == "masked" and self.mask_id is None:
+            raise ValueError("OPDConfig.mask_id: positions='masked' needs the tokenizer's mask_id")
+
+
+def opd_loss(student_logits: Float[Array, "B T V"], teacher_logits: Float[Array, "B T V"],
+             weights: Float[Array | np.ndarray, "B T"], config: OPDConfig, *, targets: Any = None,
+             denom_weights: Any = None) -> LossOutput:
+    """Σ w·(KL·T² + α·CE) / Σ denom_weights (default: Σ w, a weighted mean)."""
+    weights = jnp.asarray(weights, jnp.float32)
+    denom = weights if denom_weights is None else jnp.asarray(denom_weights, jnp.float32)
+    active = weights > 0
+    t = config.temperature
+    teacher_logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits).astype(jnp.float32) / t, axis=-1)
+    student_logp = jax.nn.log_softmax(student_logits.astype(jnp.float32) / t, axis=-1)
+    teacher_p = jnp.exp(teacher_logp)
+    kl = jnp.sum(teacher_p * (teacher_logp - student_logp), axis=-1)
+    kl = jnp.where(active, kl, 0.0)
+    per_token = kl * t**2
+    den = jnp.sum(denom)
+    aux: dict[str, Any] = {"kl": WeightedMetric(jnp.sum(weights * kl), den)}
+    if config.hard_ce_weight > 0:
+        if targets is None:
+            raise ValueError("opd_loss: hard_ce_weight > 0 needs targets=")
+        ce = token_cross_entropy(student_logits, jnp.asarray(targets), active)
+        per_token = per_token + config.hard_ce_weight * ce
+        aux["hard_ce"] = WeightedMetric(jnp.sum(weights * ce), den)
+    agree = (jnp.argmax(student_logits, axis=-1) == jnp.argmax(teacher_logits, axis=-1)) & active
+    aux["teacher_agreement"] = WeightedMetric(jnp.sum(agree.astype(jnp.float32)), jnp.sum(active.astype(jnp.float32)))
+    return LossOutput(WeightedMetric(jnp.sum(weights * per_token), den), aux)
+
+
+def opd_positions(batch: DistillationBatch, config: OPDConfig) -> tuple[Any, Any]:
+    """(weights, denominator weights) of the positions distilled on."""
+    student = batch.student
+    if config.positions == "committed":
+        return jnp.asarray(student.weights, jnp.float32), jnp.asarray(student.denom_weights, jnp.float32)
+    layout = student.layout
+    masked = layout.valid & (layout.view_ids != CLEAN_VIEW) & (layout.tokens == config.mask_id)
+    masked = masked.astype(jnp.float32)
+    return masked, masked
+
+
+def opd_objective(model: Any, batch: DistillationBatch, key: jax.Array | None = None, *,
+                  config: OPDConfig) -> LossOutput:
+    """The student's logits on the replayed views against the batch's teacher logits."""
+    del key
+    weights, denom = opd_positions(batch, config)
+    return opd_loss(model(batch.student.layout), batch.teacher_logits, weights, config,
+                    targets=batch.student.targets, denom_weights=denom)
+
+
+def make_opd_loss(config: OPDConfig) -> Callable[[Any, DistillationBatch, jax.Array], LossOutput]:
+    """A trainer `loss_fn` with `config` bound."""
+    return lambda model, batch, key: opd_objective(model, batch, key, config=config)
