@@ -1,0 +1,155 @@
+"""Train-step throughput and MFU of the block-diffusion decoder, and dense vs blocked attention.
+
+Forward + backward + AdamW on the 2L SFT layout `[clean canvas | noisy copy]`. MFU = useful FLOPs
+(matmuls + attention over the entries the mask allows) / step time / a float32 matmul peak
+measured in this process. Writes bench/results/train_step.json and its BENCHMARKS.md section.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from bd_core import ViewLayout
+from bd_models import BlockDiffusionLM, ModelConfig, model_flops
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "train_step.json"
+MARKDOWN = ROOT / "BENCHMARKS.md"
+START, END = "<!-- train_step:start -->", "<!-- train_step:end -->"
+
+HEADLINE = ModelConfig(vocab_size=260, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=1024, block_size=4,
+                       attention="blocked", compute_dtype="float32", param_dtype="float32")
+TOKENS_PER_STEP = 4096  # packed tokens; batch 8 at T = 512 (the headline), 2 at 2048, 1 at 4096
+
+
+def median_time(fn, *args, steps: int) -> tuple[float, tuple]:
+    """Median seconds per call after one warm-up call; `fn` returns its next args."""
+    args = fn(*args)
+    jax.block_until_ready(args)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        args = fn(*args)
+        jax.block_until_ready(args)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), args
+
+
+def matmul_peak(n: int = 2048, steps: int = 10) -> float:
+    """Float32 matmul FLOP/s: the denominator of MFU on this machine."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    mm = jax.jit(lambda a, b: (a @ b, b))
+    seconds, _ = median_time(mm, a, b, steps=steps)
+    return 2 * n**3 / seconds
+
+
+def sft_batch(config: ModelConfig, batch: int, canvas: int, *, seed: int = 0):
+    """An all-completion canvas, clean then one noisy copy; about half the noisy tokens masked."""
+    rng = np.random.default_rng(seed)
+    clean = rng.integers(0, config.vocab_size - 1, size=(batch, canvas))
+    masked = rng.random((batch, canvas)) < 0.5
+    noisy = np.where(masked, config.vocab_size - 1, clean)
+    pos = np.tile(np.arange(canvas), (batch, 2))
+    view = np.concatenate([np.zeros((batch, canvas), int), np.ones((batch, canvas), int)], axis=1)
+    layout = ViewLayout.create(np.concatenate([clean, noisy], axis=1), pos, pos // config.block_size, view,
+                               np.ones((batch, 2 * canvas), bool))
+    targets = np.concatenate([clean, clean], axis=1)
+    weights = np.concatenate([np.zeros((batch, canvas)), masked], axis=1).astype(np.float32)
+    return layout, jnp.asarray(targets, jnp.int32), jnp.asarray(weights)
+
+
+def make_step(optimizer):
+    def loss_fn(model, layout, targets, weights):
+        logp = jax.nn.log_softmax(model(layout), axis=-1)
+        ce = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        return jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+    def step(model, opt_state, layout, targets, weights):
+        grads = jax.grad(loss_fn)(model, layout, targets, weights)
+        updates, opt_state = optimizer.update(grads, opt_state, model)
+        return optax.apply_updates(model, updates), opt_state, layout, targets, weights
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def run(config: ModelConfig, length: int, steps: int) -> dict[str, float]:
+    """Median step seconds and compiled temp memory for one (attention, T) point."""
+    batch = TOKENS_PER_STEP // length
+    layout, targets, weights = sft_batch(config, batch, length // 2)
+    model = BlockDiffusionLM(config, key=jax.random.key(0))
+    optimizer = optax.adamw(3e-4, weight_decay=0.01)
+    opt_state = optimizer.init(model)
+    step = make_step(optimizer)
+    compiled = step.lower(model, opt_state, layout, targets, weights).compile()
+    temp_bytes = compiled.memory_analysis().temp_size_in_bytes
+    seconds, _ = median_time(step, model, opt_state, layout, targets, weights, steps=steps)
+    flops = model_flops(config, layout)
+    return {"step_s": seconds, "temp_mb": temp_bytes / 2**20, "train_flops": flops["train_step"],
+            "target_tokens": float(batch * length // 2)}
+
+
+def write_markdown(results: dict[str, float], lengths) -> None:
+    rows = [
+        f"Headline: vocab 260, d_model 256, 4 layers, 4 heads, SwiGLU d_ff 1024, block 4, batch 8, 2L layout of "
+        f"a 256-token all-completion canvas (T = 512), float32, AdamW.",
+        "",
+        "| metric | value |", "|---|---|",
+        f"| step time | {results['step_s']:.3f} s |",
+        f"| target tokens / s | {results['target_tokens_per_s']:,.0f} |",
+        f"| useful FLOP/s | {results['useful_gflops']:.1f} GFLOP/s |",
+        f"| float32 matmul peak (2048², this process) | {results['peak_gflops']:.1f} GFLOP/s |",
+        f"| **MFU** (of the measured peak) | **{results['mfu']:.1%}** |",
+        "",
+        f"Attention sweep ({TOKENS_PER_STEP} packed tokens per step: batch = {TOKENS_PER_STEP} / T; temp = compiled "
+        f"`memory_analysis()` temp bytes of the jitted step):",
+        "",
+        "| T | dense step | blocked step | blocked speed-up | dense temp | blocked temp |", "|---|---|---|---|---|---|",
+    ]
+    for t in lengths:
+        rows.append(
+            f"| {t} | {results[f'dense_T{t}_step_s']:.3f} s | {results[f'blocked_T{t}_step_s']:.3f} s | "
+            f"{results[f'blocked_speedup_T{t}']:.2f}x | {results[f'dense_T{t}_temp_mb']:.1f} MiB | "
+            f"{results[f'blocked_T{t}_temp_mb']:.1f} MiB |"
+        )
+    section = f"{START}\n## Train step (`bench/train_step.py`)\n\n" + "\n".join(rows) + f"\n{END}"
+    text = MARKDOWN.read_text() if MARKDOWN.exists() else "# bdlm benchmarks\n"
+    if START in text and END in text:
+        text = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    MARKDOWN.write_text(text)
+
+
+def main() -> None:
+    peak = matmul_peak()
+    results: dict[str, float] = {"peak_gflops": peak / 1e9}
+    head = run(HEADLINE, 512, steps=10)
+    results.update(step_s=head["step_s"], target_tokens_per_s=head["target_tokens"] / head["step_s"],
+                   useful_gflops=head["train_flops"] / head["step_s"] / 1e9,
+                   mfu=head["train_flops"] / head["step_s"] / peak)
+    print(f"headline: {head['step_s']:.3f} s/step, MFU {results['mfu']:.1%} of {peak / 1e9:.1f} GFLOP/s")
+    lengths = (512, 2048, 4096)
+    for t in lengths:
+        for impl in ("dense", "blocked"):
+            point = run(HEADLINE.replace(attention=impl), t, steps=3)
+            results[f"{impl}_T{t}_step_s"] = point["step_s"]
+            results[f"{impl}_T{t}_temp_mb"] = point["temp_mb"]
+            print(f"{impl:8s} T={t:5d}: {point['step_s']:.3f} s/step, temp {point['temp_mb']:.1f} MiB")
+        results[f"blocked_speedup_T{t}"] = results[f"dense_T{t}_step_s"] / results[f"blocked_T{t}_step_s"]
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    write_markdown(results, lengths)
+
+
+if __name__ == "__main__":
+    main()
