@@ -64,8 +64,9 @@ def test_resume_in_fresh_process_is_bit_identical(tmp_path):
 def test_restore_round_trips_real_model_and_fingerprints(tmp_path):
     state = _real_state(TINY)
     fingerprints = {"model_identity": _identity(TINY)}
-    with Checkpointer(tmp_path) as checkpointer:
+    with Checkpointer(tmp_path, async_save=True) as checkpointer:
         checkpointer.save(state, fingerprints=fingerprints, config={"model": TINY.to_dict(), "lr": 3e-4})
+        checkpointer.wait()
         restored = checkpointer.restore(_real_state(TINY), fingerprints=fingerprints)
         meta = checkpointer.read_meta()
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), restored.model, state.model))

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bd_core import DiffusionTokenBatch
+from bd_models import BlockDiffusionLM, ModelConfig, make_mesh, shard_batch, shard_model
 from bd_train import (
     NonFiniteError,
     OptimizerConfig,
@@ -184,20 +184,20 @@ def test_eval_step_reduces_like_the_train_loss(toy_model, batch_factory):
     np.testing.assert_allclose(both["accuracy"], metrics["accuracy"], rtol=1e-6)
 
 
-def test_sharded_step_equals_single_device(toy_model, batch_factory):
+@pytest.mark.parametrize("mesh_shape", [(4, 2, 1), (2, 2, 2)])
+def test_sharded_step_equals_single_device(batch_factory, mesh_shape):
     assert jax.device_count() == 8
-    model = toy_model(key=jax.random.key(9))
-    trainer = Trainer(sft_objective, make_optimizer(OptimizerConfig(learning_rate=1e-2, schedule="constant")),
+    config = ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32, block_size=2,
+                         attention="dense")
+    model = BlockDiffusionLM(config, key=jax.random.key(9))
+    trainer = Trainer(sft_objective, make_optimizer(OptimizerConfig(learning_rate=1e-2)),
                       TrainerConfig(microbatches=2))
     batch = batch_factory(50, rows=16)
     single, single_metrics = trainer.step(trainer.init(model, key=jax.random.key(0)), batch)
 
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    replicated = NamedSharding(mesh, PartitionSpec())
-    rows = NamedSharding(mesh, PartitionSpec("data"))
-    sharded_model = eqx.filter_shard(model, replicated)
-    sharded_batch = jax.device_put(batch, rows)
-    state, metrics = trainer.step(trainer.init(sharded_model, key=jax.random.key(0)), sharded_batch)
-    assert len(jax.tree.leaves(state.params)[0].sharding.device_set) == 8
+    mesh = make_mesh(*mesh_shape)
+    state = trainer.init(shard_model(model, mesh), key=jax.random.key(0))
+    state, metrics = trainer.step(state, shard_batch(batch, mesh))
+    assert len(state.model.embedding.sharding.device_set) == 8
     np.testing.assert_allclose(metrics["loss"], single_metrics["loss"], rtol=1e-6)
     assert _relative_error(state.params, single.params) <= 1e-6
