@@ -26,7 +26,7 @@ class TokenMeta(NamedTuple):
 
     @classmethod
     def from_layout(cls, layout: ViewLayout) -> TokenMeta:
-        return cls(layout.view_ids, layout.block_ids, layout.valid)
+        return cls(jnp.asarray(layout.view_ids), jnp.asarray(layout.block_ids), jnp.asarray(layout.valid))
 
     def slice(self, start, size: int, axis: int = 1) -> TokenMeta:
         return TokenMeta(*(jax.lax.dynamic_slice_in_dim(a, start, size, axis) for a in self))
