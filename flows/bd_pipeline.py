@@ -34,7 +34,7 @@ class StageRefused(MetaflowException):
 
 def parse_config(text):
     """Validate the preset before anything runs; a mistake is one message naming the key."""
-    from bd_train import ConfigError, parse_pipeline_config
+    from bd_train.stages import ConfigError, parse_pipeline_config
 
     try:
         return parse_pipeline_config(text)
@@ -44,7 +44,7 @@ def parse_config(text):
 
 def _stage_call(fn, *args, **kwargs):
     """Run a stage; user mistakes (fingerprints, checkpoints, data) surface as one clear message."""
-    from bd_train import StageError
+    from bd_train.stages import StageError
 
     try:
         return fn(*args, **kwargs)
@@ -60,7 +60,7 @@ class BDPipeline(FlowSpec):
 
     @step
     def start(self):
-        from bd_train import PipelineContext
+        from bd_train.stages import PipelineContext
 
         self.context = PipelineContext.create(self.config, run_id=current.origin_run_id or current.run_id,
                                               flow_name=current.flow_name)
@@ -71,7 +71,7 @@ class BDPipeline(FlowSpec):
     @card(type="blank", id="sft")
     @step
     def sft(self):
-        from bd_train import run_sft, stage_card
+        from bd_train.stages import run_sft, stage_card
 
         self.role = self.input
         self.result = _stage_call(run_sft, self.config, self.context, role=self.role)
@@ -80,7 +80,7 @@ class BDPipeline(FlowSpec):
 
     @step
     def join(self, inputs):
-        from bd_train import check_distillation_pair
+        from bd_train.stages import check_distillation_pair
 
         self.context = inputs[0].context
         self.sft_results = {inp.role: inp.result for inp in inputs}
@@ -90,7 +90,7 @@ class BDPipeline(FlowSpec):
     @card(type="blank", id="opd")
     @step
     def opd(self):
-        from bd_train import run_opd, stage_card
+        from bd_train.stages import run_opd, stage_card
 
         self.opd_result = _stage_call(run_opd, self.config, self.context,
                                       teacher=self.sft_results["teacher"], student=self.sft_results["student"])
@@ -100,7 +100,7 @@ class BDPipeline(FlowSpec):
     @card(type="blank", id="grpo")
     @step
     def grpo(self):
-        from bd_train import run_grpo, stage_card
+        from bd_train.stages import run_grpo, stage_card
 
         self.grpo_result = _stage_call(run_grpo, self.config, self.context, start=self.opd_result)
         stage_card(current.card["grpo"], self.grpo_result)
@@ -109,7 +109,7 @@ class BDPipeline(FlowSpec):
     @card(type="blank", id="summary")
     @step
     def end(self):
-        from bd_train import summarize, summary_card
+        from bd_train.stages import summarize, summary_card
 
         self.summary = summarize({
             "teacher_sft": self.sft_results["teacher"],

@@ -17,13 +17,13 @@ from ._config_io import ConfigError, build, to_dict
 
 
 # Section invariants name the field relative to the section; `build` prefixes the section's path.
-def _positive(**values: float) -> None:
+def _positive(**values: float | int) -> None:
     for name, value in values.items():
         if not value > 0:
             raise ConfigError(f"{name}: expected a value > 0, got {value!r}")
 
 
-def _nonneg(**values: float) -> None:
+def _nonneg(**values: float | int) -> None:
     for name, value in values.items():
         if value < 0:
             raise ConfigError(f"{name}: expected a value >= 0, got {value!r}")
@@ -84,8 +84,11 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimSection:
+    """AdamW with linear warmup then `schedule` decay over the stage's steps, global-norm clipping."""
+
     lr: float = 3e-3
     warmup_steps: int = 20
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
     weight_decay: float = 0.0
     clip_norm: float = 1.0
     b2: float = 0.99
@@ -199,6 +202,12 @@ class PipelineConfig:
     grpo: GRPOSection = GRPOSection()
     eval: EvalSection = EvalSection()
     run: RunSection = RunSection()
+
+    def __post_init__(self):
+        if self.canvas.policy != "block_aligned":
+            raise ConfigError("canvas.policy: the pipeline's rollouts (OPD, GRPO, eval) decode on the block-aligned "
+                              "canvas; use policy = 'block_aligned' (the contiguous canvas is for bd_data's SFT "
+                              "pipelines on their own)")
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

@@ -1,0 +1,85 @@
+"""Pictures for cards and reports: metric curves and a denoising trace unmasking step by step.
+
+Each function returns PNG bytes (matplotlib, headless Agg backend), small enough to keep as an
+artifact and to embed in a Metaflow card.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+
+def _figure(width: float, height: float):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt, plt.figure(figsize=(width, height), dpi=100)
+
+
+def _png(plt, fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def curves_png(history: Sequence[Mapping[str, float]], keys: Sequence[str], *, title: str) -> bytes | None:
+    """One panel per metric key found in `history` (a list of {"step": s, key: value, ...})."""
+    keys = [k for k in keys if any(k in row for row in history)]
+    if not keys:
+        return None
+    plt, fig = _figure(3.2 * len(keys), 2.6)
+    for i, key in enumerate(keys):
+        ax = fig.add_subplot(1, len(keys), i + 1)
+        rows = [row for row in history if key in row]
+        ax.plot([row["step"] for row in rows], [row[key] for row in rows], lw=1.5)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    return _png(plt, fig)
+
+
+def trace_png(*, committed: np.ndarray, tokens: np.ndarray, step_valid: np.ndarray, block_ids: np.ndarray,
+              first_block: int, num_blocks: int, block_size: int, token_text: Callable[[int], str],
+              title: str) -> bytes:
+    """The completion canvas of one row after each denoising step (rows = steps, columns =
+    completion positions): committed tokens as text, masks as grey, this step's commits highlighted.
+
+    Arrays are one row of a `DiffusionTrace`: committed/tokens `[S, b]`, step_valid/block_ids `[S]`.
+    """
+    width = num_blocks * block_size
+    steps = np.flatnonzero(step_valid)
+    canvas = np.full(width, -1, np.int64)
+    grid_state, grid_text = [], []
+    for s in steps:
+        offset = (int(block_ids[s]) - first_block) * block_size
+        new = np.zeros(width, bool)
+        for j in np.flatnonzero(committed[s]):
+            canvas[offset + j] = tokens[s, j]
+            new[offset + j] = True
+        grid_state.append(np.where(new, 2, np.where(canvas >= 0, 1, 0)))
+        grid_text.append([token_text(int(t)) if t >= 0 else "" for t in canvas])
+    plt, fig = _figure(max(4.0, 0.42 * width + 1.0), max(1.6, 0.32 * len(steps) + 1.0))
+    ax = fig.add_subplot(1, 1, 1)
+    state = np.asarray(grid_state) if grid_state else np.zeros((1, width))
+    colors = np.array([[0.85, 0.85, 0.85], [1.0, 1.0, 1.0], [0.55, 0.8, 1.0]])
+    ax.imshow(colors[state.astype(int)], aspect="auto", interpolation="nearest")
+    for r, row in enumerate(grid_text):
+        for c, text in enumerate(row):
+            ax.text(c, r, text, ha="center", va="center", fontsize=8, family="monospace")
+    for boundary in range(block_size, width, block_size):
+        ax.axvline(boundary - 0.5, color="black", lw=1)
+    ax.set_yticks(range(len(steps)))
+    ax.set_yticklabels([f"step {i + 1}" for i in range(len(steps))], fontsize=7)
+    ax.set_xticks(range(width))
+    ax.set_xticklabels([str(i) for i in range(width)], fontsize=6)
+    ax.set_title(title, fontsize=9)
+    return _png(plt, fig)

@@ -1,0 +1,100 @@
+"""Stage 3: GRPO on the task's verifiable reward. Each step samples G completions per prompt with
+an exact trace, scores them, and takes `updates_per_rollout` clipped-ratio updates on the packed
+replay; the recorded log-probs are the old policy, so the first update's ratio is exactly 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from bd_data import iterate, prompt_dataset
+from bd_models._sampler import sample
+from bd_models._sampler_text import decode_completions
+
+from ._evaluate import evaluate
+from ._grpo import GRPOBatch, GRPOConfig, compute_advantages, distribution_score, make_grpo_loss
+from ._optim import make_optimizer
+from ._pipeline_config import pipeline_config
+from ._plots import curves_png
+from ._replay import build_replay
+from ._scoring import token_logprobs
+from ._stage_opd import replay_capacity
+from ._stage_run import StageLoop, open_tracker, restore_model
+from ._stage_setup import PipelineContext, Setup, StageResult
+from ._trainer import Trainer
+
+GRPO_CURVES = ("reward_mean", "accuracy", "loss", "clip_fraction", "kl", "entropy")
+
+
+@eqx.filter_jit
+def _reference_logprobs(model, batch, distribution):
+    return token_logprobs(model, batch, **distribution)[0]
+
+
+def run_grpo(config: Any, context: PipelineContext, *, start: StageResult) -> StageResult:
+    setup = Setup(pipeline_config(config))
+    context.enable_compilation_cache()
+    cfg, tok = setup.config, setup.tokenizer
+    section, stage = cfg.grpo, "grpo"
+    identity = setup.identity("student")
+    model = restore_model(start.checkpoint_dir, setup.model_config("student"), identity,
+                          what="student checkpoint after OPD")
+    reference = model  # frozen copy: arrays are immutable, training builds new ones
+    sampler = setup.sampler_config(section.sampler)
+    distribution = sampler.distribution_kwargs()
+    views, group = replay_capacity(sampler), section.group_size
+    grpo = GRPOConfig(advantage=section.advantage, ratio=section.ratio, aggregation=section.aggregation,
+                      epsilon_low=section.epsilon_low, epsilon_high=section.epsilon_high, beta=section.beta,
+                      norm_length=cfg.canvas.max_new_tokens)
+    updates = section.updates_per_rollout
+    total = section.steps * updates
+    trainer = Trainer(make_grpo_loss(grpo, distribution_score(distribution)),
+                      make_optimizer(setup.optimizer_config(section.optim, total)))
+    key = jax.random.fold_in(jax.random.key(cfg.run.seed), 3)
+    train_key, rollout_key, eval_key = jax.random.split(key, 3)
+    state = trainer.init(model, key=train_key)
+    prompts = iterate(prompt_dataset(setup.source("train"), tok, cfg.canvas, seed=cfg.run.seed + 3,
+                                     batch_size=section.prompts_per_step))
+
+    def step_fn(state, step):
+        batch = next(prompts)
+        tokens, valid = np.repeat(batch.tokens, group, 0), np.repeat(batch.valid, group, 0)
+        rollout = sample(state.model, (tokens, valid), sampler, key=jax.random.fold_in(rollout_key, step))
+        texts = decode_completions(tok, rollout, stop_ids=sampler.stop_ids)
+        examples = [example for example in batch.examples for _ in range(group)]
+        rewards = np.asarray([setup.reward(e, t) for e, t in zip(examples, texts)], np.float32)
+        replay = build_replay(rollout, mask_id=tok.mask_id, num_views=views)
+        ref_logp = _reference_logprobs(reference, replay.batch, distribution) if section.beta > 0 else None
+        grpo_batch = GRPOBatch(replay.batch, replay.recorded_logprobs,
+                               compute_advantages(rewards, group, section.advantage), ref_logp)
+        first = None
+        for _ in range(updates):
+            state, metrics = trainer.step(state, grpo_batch)
+            first = first or metrics
+        generated = np.asarray(rollout.completion_valid).sum()
+        metrics = dict(metrics, ratio_first_update=first["ratio_mean"], clip_fraction_first_update=first["clip_fraction"],
+                       reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
+                       accuracy=float(np.mean(rewards == 1.0)),
+                       completion_length=float(np.mean([len(t) for t in texts])),
+                       nfe_per_token=float(np.asarray(rollout.nfe).sum() / max(1, generated)))
+        return state, metrics
+
+    with open_tracker(setup, context, stage) as tracker:
+        loop = StageLoop(name=stage, directory=context.checkpoint_dir(stage), fingerprints={"identity": identity},
+                         config=cfg.to_dict(), every=cfg.run.checkpoint_every, max_to_keep=cfg.run.max_to_keep,
+                         log_every=cfg.run.log_every, tracker=tracker, data_iterator=prompts)
+        state = loop.resume(state)
+        state = loop.run(state, total, step_fn, updates_per_step=updates)
+        report = evaluate(state.model, setup, cfg.eval, key=eval_key, title="student after GRPO")
+        tracker.log({f"eval/{k}": v for k, v in report["evaluation"].items()}, step=total)
+        tracker.log_table("eval/samples", ["prompt", "answer", "completion", "reward"],
+                          [list(s.values()) for s in report["samples"]], step=total)
+        tracker.summary(report["evaluation"])
+    return StageResult(stage=stage, role="student", checkpoint_dir=str(loop.directory), step=int(state.step),
+                       identity=identity.to_json(), history=loop.history, evaluation=report["evaluation"],
+                       samples=report["samples"], trace_png=report["trace_png"],
+                       curves_png=curves_png(loop.history, GRPO_CURVES, title="GRPO"),
+                       wandb_run_dir=str(tracker.run_dir))

@@ -1,0 +1,88 @@
+"""Stage 2: on-policy distillation. The student samples with an exact trace; its replayed views
+are scored by the frozen teacher, and the student minimizes forward KL(teacher ‖ student) there.
+
+Both checkpoints are checked against the config's identity before anything trains.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from bd_core import DistillationBatch
+from bd_data import iterate, prompt_dataset
+from bd_models import ModelConfig
+from bd_models._sampler import sample
+
+from ._evaluate import evaluate
+from ._opd import OPDConfig, make_opd_loss
+from ._optim import make_optimizer
+from ._pipeline_config import pipeline_config
+from ._plots import curves_png
+from ._replay import build_replay
+from ._stage_run import StageLoop, open_tracker, restore_model
+from ._stage_setup import PipelineContext, Setup, StageResult
+from ._trainer import Trainer
+
+OPD_CURVES = ("loss", "kl", "teacher_agreement", "nfe_per_token")
+
+
+@eqx.filter_jit
+def _teacher_logits(teacher, layout):
+    return teacher(layout)
+
+
+def replay_capacity(sampler) -> int:
+    """Replay views that hold every step a rollout can take: one fixed shape, one compilation."""
+    return sampler.num_blocks * sampler.steps_cap
+
+
+def run_opd(config: Any, context: PipelineContext, *, teacher: StageResult, student: StageResult) -> StageResult:
+    setup = Setup(pipeline_config(config))
+    context.enable_compilation_cache()
+    cfg, tok = setup.config, setup.tokenizer
+    section, stage = cfg.opd, "opd"
+    teacher_model = restore_model(teacher.checkpoint_dir, ModelConfig.from_dict(teacher.fingerprint.fields["architecture"]),
+                                  teacher.fingerprint, what="teacher checkpoint")
+    identity = setup.identity("student")
+    student_model = restore_model(student.checkpoint_dir, setup.model_config("student"), identity,
+                                  what="student SFT checkpoint")
+    sampler = setup.sampler_config(section.sampler)
+    views = replay_capacity(sampler)
+    loss_fn = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
+                                      positions=section.positions, mask_id=tok.mask_id))
+    trainer = Trainer(loss_fn, make_optimizer(setup.optimizer_config(section.optim, section.steps)))
+    key = jax.random.fold_in(jax.random.key(cfg.run.seed), 2)
+    train_key, rollout_key, eval_key = jax.random.split(key, 3)
+    state = trainer.init(student_model, key=train_key)
+    prompts = iterate(prompt_dataset(setup.source("train"), tok, cfg.canvas, seed=cfg.run.seed + 2,
+                                     batch_size=section.prompts_per_step))
+
+    def step_fn(state, step):
+        batch = next(prompts)
+        rollout = sample(state.model, (batch.tokens, batch.valid), sampler, key=jax.random.fold_in(rollout_key, step))
+        replay = build_replay(rollout, mask_id=tok.mask_id, num_views=views)
+        logits = _teacher_logits(teacher_model, replay.batch.layout)
+        state, metrics = trainer.step(state, DistillationBatch(replay.batch, logits))
+        generated = np.asarray(rollout.completion_valid).sum()
+        metrics["nfe_per_token"] = float(np.asarray(rollout.nfe).sum() / max(1, generated))
+        return state, metrics
+
+    with open_tracker(setup, context, stage) as tracker:
+        loop = StageLoop(name=stage, directory=context.checkpoint_dir(stage), fingerprints={"identity": identity},
+                         config=cfg.to_dict(), every=cfg.run.checkpoint_every, max_to_keep=cfg.run.max_to_keep,
+                         log_every=cfg.run.log_every, tracker=tracker, data_iterator=prompts)
+        state = loop.resume(state)
+        state = loop.run(state, section.steps, step_fn)
+        report = evaluate(state.model, setup, cfg.eval, key=eval_key, title="student after OPD")
+        tracker.log({f"eval/{k}": v for k, v in report["evaluation"].items()}, step=section.steps)
+        tracker.log_table("eval/samples", ["prompt", "answer", "completion", "reward"],
+                          [list(s.values()) for s in report["samples"]], step=section.steps)
+        tracker.summary(report["evaluation"])
+    return StageResult(stage=stage, role="student", checkpoint_dir=str(loop.directory), step=int(state.step),
+                       identity=identity.to_json(), history=loop.history, evaluation=report["evaluation"],
+                       samples=report["samples"], trace_png=report["trace_png"],
+                       curves_png=curves_png(loop.history, OPD_CURVES, title="on-policy distillation"),
+                       wandb_run_dir=str(tracker.run_dir))

@@ -1,0 +1,129 @@
+"""The machinery every stage shares: restoring a model from the checkpoint a stage starts from
+(fingerprint first, fail closed), tracking, and the resumable step loop with periodic saves,
+SIGTERM handling and progress.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+from bd_core import Fingerprint, FingerprintMismatch
+from bd_models import BlockDiffusionLM, ModelConfig
+
+from ._checkpoint import Checkpointer, CheckpointError
+from ._loop import _StopFlag
+from ._optim import OptimizerConfig, make_optimizer
+from ._stage_setup import PipelineContext, Setup, StageError, progress
+from ._tracking import Tracker
+from ._trainer import Trainer, TrainState
+
+# Testing hook: "<stage>:<step>" makes that stage fail right after saving that step, as a crash
+# would, so that `resume` can be exercised on a real run. Only fires in a run that started earlier.
+FAULT_ENV = "BDLM_FAIL_AFTER"
+
+
+def open_checkpoints(directory: str | Path, *, create: bool, max_to_keep: int | None = 2) -> Checkpointer:
+    try:
+        return Checkpointer(directory, max_to_keep=max_to_keep, create=create)
+    except CheckpointError as err:
+        raise StageError(str(err)) from None
+
+
+def fresh_state(model_config: ModelConfig, optimizer: OptimizerConfig, *, key: jax.Array) -> tuple[Trainer, TrainState]:
+    """A train state of the architecture (the restore target, or a from-scratch start)."""
+    model_key, train_key = jax.random.split(key)
+    trainer = Trainer(lambda m, b, k: 0.0, make_optimizer(optimizer))
+    return trainer, trainer.init(BlockDiffusionLM(model_config, key=model_key), key=train_key)
+
+
+def restore_model(directory: str | Path, model_config: ModelConfig, identity: Fingerprint, *, what: str) -> Any:
+    """The model saved in `directory` (its latest step), after checking its identity fingerprint
+    and tree against the current config; any mismatch refuses with every differing field named."""
+    checkpoints = open_checkpoints(directory, create=False)
+    _, target = fresh_state(model_config, OptimizerConfig(), key=jax.random.key(0))
+    try:
+        state = checkpoints.restore(target, fingerprints={"identity": identity})
+    except (FingerprintMismatch, CheckpointError) as err:
+        raise StageError(f"{what}: {err}") from None
+    finally:
+        checkpoints.close()
+    return state.model
+
+
+def saved_identity(directory: str | Path) -> Fingerprint:
+    checkpoints = open_checkpoints(directory, create=False)
+    try:
+        fingerprints = checkpoints.fingerprints()
+    except CheckpointError as err:
+        raise StageError(str(err)) from None
+    finally:
+        checkpoints.close()
+    if "identity" not in fingerprints:
+        raise StageError(f"checkpoint {directory} records no model identity; it was not written by a bdlm stage")
+    return fingerprints["identity"]
+
+
+def open_tracker(setup: Setup, context: PipelineContext, stage: str) -> Tracker:
+    cfg = setup.config
+    return Tracker(root=context.wandb_dir, project=cfg.run.project, stage=stage, group=context.run_id,
+                   config=cfg.to_dict())
+
+
+class StageLoop:
+    """Runs `step_fn(state, step) -> (state, metrics)` until `total` updates, resuming from the
+    latest checkpoint in `directory`, saving every `every` updates and on SIGTERM (then refusing
+    to go on, so the orchestrator can `resume`), logging to the tracker and a progress bar."""
+
+    def __init__(self, *, name: str, directory: Path, fingerprints: Mapping[str, Fingerprint], config: Any,
+                 every: int, max_to_keep: int, log_every: int, tracker: Tracker | None, data_iterator: Any = None):
+        self.name, self.directory, self.fingerprints, self.config = name, directory, dict(fingerprints), config
+        self.every, self.log_every, self.tracker, self.data_iterator = every, log_every, tracker, data_iterator
+        self.checkpoints = open_checkpoints(directory, create=True, max_to_keep=max_to_keep)
+        self.history: list[dict[str, float]] = []
+
+    def resume(self, state: TrainState) -> TrainState:
+        """The latest saved state of this stage (a restarted or resumed run), else `state`."""
+        if self.checkpoints.latest_step() is None:
+            return state
+        try:
+            return self.checkpoints.restore(state, fingerprints=self.fingerprints, data_iterator=self.data_iterator)
+        except (FingerprintMismatch, CheckpointError) as err:
+            raise StageError(f"{self.name}: cannot continue from {self.directory}: {err}") from None
+
+    def _save(self, state: TrainState) -> None:
+        if int(state.step) not in self.checkpoints.all_steps():
+            self.checkpoints.save(state, fingerprints=self.fingerprints, config=self.config,
+                                  data_iterator=self.data_iterator, force=True)
+            self.checkpoints.wait()
+
+    def run(self, state: TrainState, total: int, step_fn: Callable[[TrainState, int], tuple[TrainState, dict]],
+            *, updates_per_step: int = 1) -> TrainState:
+        start = int(state.step)
+        fault = os.environ.get(FAULT_ENV, "")
+        fault_step = int(fault.split(":")[1]) if fault.startswith(f"{self.name}:") else None
+        bar = progress(range(start, total, updates_per_step), total=(total - start) // updates_per_step,
+                       description=self.name)
+        with _StopFlag(True) as flag:
+            for _ in bar:
+                state, metrics = step_fn(state, int(state.step))
+                step = int(state.step)
+                row = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
+                self.history.append(row)
+                if self.tracker is not None and (step % self.log_every == 0 or step >= total):
+                    self.tracker.log(row, step=step)
+                bar.set_postfix({k: f"{row[k]:.3g}" for k in ("loss", "reward_mean") if k in row})
+                if step // self.every > (step - updates_per_step) // self.every or step >= total or flag.stop:
+                    self._save(state)
+                if flag.stop:
+                    raise StageError(f"{self.name}: stopped by SIGTERM at step {step}; the checkpoint is saved in "
+                                     f"{self.directory}; run `resume` to continue")
+                if fault_step is not None and start < fault_step <= step:
+                    self._save(state)
+                    raise RuntimeError(f"{self.name}: simulated failure after step {step} ({FAULT_ENV}={fault})")
+        self._save(state)
+        self.checkpoints.close()
+        return state
