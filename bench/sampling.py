@@ -151,7 +151,7 @@ def write_markdown(results: dict, rows) -> None:
     lines = [
         f"{START}", "## Sampling (`bench/sampling.py`)", "",
         f"Headline model (vocab 260, d 256, 4 layers, block 4), batch {BATCH}, prompt {PROMPT}, {NEW} new tokens, "
-        "one token per step, no stops; medians of one warm call each.", "",
+        "one token per step, no stops; one timed call each after a warm-up (compilation excluded).", "",
         "| measure | value | goal |", "|---|---|---|",
         f"| KV cache, tokens/s | {r['cached_tokens_per_s']:.0f} | |",
         f"| full recompute, tokens/s | {r['recompute_tokens_per_s']:.0f} | |",
