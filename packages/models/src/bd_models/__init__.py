@@ -15,6 +15,14 @@ from ._mask import tile_needed as tile_needed
 from ._flops import attention_entries as attention_entries
 from ._flops import model_flops as model_flops
 from ._model import BlockDiffusionLM as BlockDiffusionLM
+from ._sampler import RecomputeModel as RecomputeModel
+from ._sampler import concat_layouts as concat_layouts
+from ._sampler import sample as sample
+from ._sampler_config import SamplerConfig as SamplerConfig
+from ._sampler_config import SamplerConfigError as SamplerConfigError
+from ._sampler_text import completion_ids as completion_ids
+from ._sampler_text import decode_completions as decode_completions
+from ._sampling_dist import sampling_logprobs as sampling_logprobs
 from ._sharding import batch_sharding as batch_sharding
 from ._sharding import make_mesh as make_mesh
 from ._sharding import param_partition_specs as param_partition_specs
