@@ -18,13 +18,13 @@ import optax
 
 from bd_core import ViewLayout
 from bd_data import ByteTokenizer, SortTask
-from bd_models._config import ModelConfig
-from bd_models._model import BlockDiffusionLM
-from bd_models._sampler import concat_layouts, sample
-from bd_models._sampler_config import SamplerConfig
-from bd_models._sampler_text import decode_completions
-from bd_train._replay import build_replay
-from bd_train._scoring import token_logprobs
+from bd_models import ModelConfig
+from bd_models import BlockDiffusionLM
+from bd_models import concat_layouts, sample
+from bd_models import SamplerConfig
+from bd_models import decode_completions
+from bd_train import build_replay
+from bd_train import token_logprobs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "sampling.json"

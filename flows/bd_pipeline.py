@@ -71,7 +71,8 @@ class BDPipeline(FlowSpec):
     @card(type="blank", id="sft")
     @step
     def sft(self):
-        from bd_train.stages import run_sft, stage_card
+        from bd_cards import stage_card
+        from bd_train.stages import run_sft
 
         self.role = self.input
         self.result = _stage_call(run_sft, self.config, self.context, role=self.role)
@@ -90,7 +91,8 @@ class BDPipeline(FlowSpec):
     @card(type="blank", id="opd")
     @step
     def opd(self):
-        from bd_train.stages import run_opd, stage_card
+        from bd_cards import stage_card
+        from bd_train.stages import run_opd
 
         self.opd_result = _stage_call(run_opd, self.config, self.context,
                                       teacher=self.sft_results["teacher"], student=self.sft_results["student"])
@@ -100,7 +102,8 @@ class BDPipeline(FlowSpec):
     @card(type="blank", id="grpo")
     @step
     def grpo(self):
-        from bd_train.stages import run_grpo, stage_card
+        from bd_cards import stage_card
+        from bd_train.stages import run_grpo
 
         self.grpo_result = _stage_call(run_grpo, self.config, self.context, start=self.opd_result)
         stage_card(current.card["grpo"], self.grpo_result)
@@ -109,7 +112,8 @@ class BDPipeline(FlowSpec):
     @card(type="blank", id="summary")
     @step
     def end(self):
-        from bd_train.stages import summarize, summary_card
+        from bd_cards import summary_card
+        from bd_train.stages import summarize
 
         self.summary = summarize({
             "teacher_sft": self.sft_results["teacher"],

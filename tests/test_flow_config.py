@@ -14,7 +14,7 @@ FLOW = ROOT / "flows" / "bd_pipeline.py"
 
 
 def run_flow(*args, cwd):
-    env = {**os.environ, "METAFLOW_USER": "tester", "METAFLOW_DATASTORE_SYSROOT_LOCAL": str(cwd)}
+    env = {**os.environ, "METAFLOW_USER": "tester"}
     return subprocess.run([sys.executable, str(FLOW), *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=120)
 

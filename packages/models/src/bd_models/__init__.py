@@ -22,7 +22,10 @@ from ._sampler_config import SamplerConfig as SamplerConfig
 from ._sampler_config import SamplerConfigError as SamplerConfigError
 from ._sampler_text import completion_ids as completion_ids
 from ._sampler_text import decode_completions as decode_completions
+from ._sampling_dist import confidence as confidence
+from ._sampling_dist import entropy as entropy
 from ._sampling_dist import sampling_logprobs as sampling_logprobs
+from ._sampling_dist import token_logprob as token_logprob
 from ._sharding import batch_sharding as batch_sharding
 from ._sharding import make_mesh as make_mesh
 from ._sharding import param_partition_specs as param_partition_specs

@@ -42,3 +42,5 @@ from ._trainer import StreamAccumulator as StreamAccumulator
 from ._trainer import Trainer as Trainer
 from ._trainer import TrainerConfig as TrainerConfig
 from ._trainer import TrainState as TrainState
+from ._tracking import Tracker as Tracker
+from . import stages as stages

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 from bd_data import prompt_dataset
-from bd_models._sampler import sample
+from bd_models import sample
 
 from ._pipeline_config import EvalSection
 from ._plots import trace_png

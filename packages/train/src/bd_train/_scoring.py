@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from bd_core import DiffusionTokenBatch
-from bd_models._sampling_dist import entropy, sampling_logprobs, token_logprob
+from bd_models import entropy, sampling_logprobs, token_logprob
 
 
 def token_logprobs(

@@ -11,8 +11,8 @@ import equinox as eqx
 import jax
 import numpy as np
 from bd_data import iterate, prompt_dataset
-from bd_models._sampler import sample
-from bd_models._sampler_text import decode_completions
+from bd_models import sample
+from bd_models import decode_completions
 
 from ._evaluate import evaluate
 from ._grpo import GRPOBatch, GRPOConfig, compute_advantages, distribution_score, make_grpo_loss
@@ -51,8 +51,8 @@ def run_grpo(config: Any, context: PipelineContext, *, start: StageResult) -> St
                       norm_length=cfg.canvas.max_new_tokens)
     updates = section.updates_per_rollout
     total = section.steps * updates
-    trainer = Trainer(make_grpo_loss(grpo, distribution_score(distribution)),
-                      make_optimizer(setup.optimizer_config(section.optim, total)))
+    optimizer = setup.optimizer_config(section.optim, total)
+    trainer = Trainer(make_grpo_loss(grpo, distribution_score(distribution)), make_optimizer(optimizer))
     key = jax.random.fold_in(jax.random.key(cfg.run.seed), 3)
     train_key, rollout_key, eval_key = jax.random.split(key, 3)
     state = trainer.init(model, key=train_key)
@@ -79,13 +79,15 @@ def run_grpo(config: Any, context: PipelineContext, *, start: StageResult) -> St
                        reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
                        accuracy=float(np.mean(rewards == 1.0)),
                        completion_length=float(np.mean([len(t) for t in texts])),
-                       nfe_per_token=float(np.asarray(rollout.nfe).sum() / max(1, generated)))
+                       nfe_per_token=float(np.asarray(rollout.nfe).sum() / max(1, generated)),
+                       tokens=float(generated))
         return state, metrics
 
     with open_tracker(setup, context, stage) as tracker:
         loop = StageLoop(name=stage, directory=context.checkpoint_dir(stage), fingerprints={"identity": identity},
                          config=cfg.to_dict(), every=cfg.run.checkpoint_every, max_to_keep=cfg.run.max_to_keep,
-                         log_every=cfg.run.log_every, tracker=tracker, data_iterator=prompts)
+                         log_every=cfg.run.log_every, tracker=tracker, data_iterator=prompts,
+                         learning_rate=optimizer.learning_rate_schedule())
         state = loop.resume(state)
         state = loop.run(state, total, step_fn, updates_per_step=updates)
         report = evaluate(state.model, setup, cfg.eval, key=eval_key, title="student after GRPO")

@@ -14,7 +14,7 @@ import numpy as np
 from bd_core import DistillationBatch
 from bd_data import iterate, prompt_dataset
 from bd_models import ModelConfig
-from bd_models._sampler import sample
+from bd_models import sample
 
 from ._evaluate import evaluate
 from ._opd import OPDConfig, make_opd_loss
@@ -53,7 +53,8 @@ def run_opd(config: Any, context: PipelineContext, *, teacher: StageResult, stud
     views = replay_capacity(sampler)
     loss_fn = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
                                       positions=section.positions, mask_id=tok.mask_id))
-    trainer = Trainer(loss_fn, make_optimizer(setup.optimizer_config(section.optim, section.steps)))
+    optimizer = setup.optimizer_config(section.optim, section.steps)
+    trainer = Trainer(loss_fn, make_optimizer(optimizer))
     key = jax.random.fold_in(jax.random.key(cfg.run.seed), 2)
     train_key, rollout_key, eval_key = jax.random.split(key, 3)
     state = trainer.init(student_model, key=train_key)
@@ -68,12 +69,14 @@ def run_opd(config: Any, context: PipelineContext, *, teacher: StageResult, stud
         state, metrics = trainer.step(state, DistillationBatch(replay.batch, logits))
         generated = np.asarray(rollout.completion_valid).sum()
         metrics["nfe_per_token"] = float(np.asarray(rollout.nfe).sum() / max(1, generated))
+        metrics["tokens"] = float(generated)
         return state, metrics
 
     with open_tracker(setup, context, stage) as tracker:
         loop = StageLoop(name=stage, directory=context.checkpoint_dir(stage), fingerprints={"identity": identity},
                          config=cfg.to_dict(), every=cfg.run.checkpoint_every, max_to_keep=cfg.run.max_to_keep,
-                         log_every=cfg.run.log_every, tracker=tracker, data_iterator=prompts)
+                         log_every=cfg.run.log_every, tracker=tracker, data_iterator=prompts,
+                         learning_rate=optimizer.learning_rate_schedule())
         state = loop.resume(state)
         state = loop.run(state, section.steps, step_fn)
         report = evaluate(state.model, setup, cfg.eval, key=eval_key, title="student after OPD")

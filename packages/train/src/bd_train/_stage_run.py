@@ -79,8 +79,10 @@ class StageLoop:
     to go on, so the orchestrator can `resume`), logging to the tracker and a progress bar."""
 
     def __init__(self, *, name: str, directory: Path, fingerprints: Mapping[str, Fingerprint], config: Any,
-                 every: int, max_to_keep: int, log_every: int, tracker: Tracker | None, data_iterator: Any = None):
+                 every: int, max_to_keep: int, log_every: int, tracker: Tracker | None, data_iterator: Any = None,
+                 learning_rate: Callable[[int], Any] | None = None):
         self.name, self.directory, self.fingerprints, self.config = name, directory, dict(fingerprints), config
+        self.learning_rate = learning_rate
         self.every, self.log_every, self.tracker, self.data_iterator = every, log_every, tracker, data_iterator
         self.checkpoints = open_checkpoints(directory, create=True, max_to_keep=max_to_keep)
         self.history: list[dict[str, float]] = []
@@ -112,6 +114,12 @@ class StageLoop:
                 state, metrics = step_fn(state, int(state.step))
                 step = int(state.step)
                 row = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
+                if self.learning_rate is not None:
+                    row["learning_rate"] = float(self.learning_rate(step - 1))
+                if "tokens" in row:
+                    row["tokens_total"] = row["tokens"] + (self.history[-1]["tokens_total"] if self.history else 0.0)
+                skipped = updates_per_step * (1.0 - row.get("update_applied", 1.0))
+                row["skipped_total"] = skipped + (self.history[-1]["skipped_total"] if self.history else 0.0)
                 self.history.append(row)
                 if self.tracker is not None and (step % self.log_every == 0 or step >= total):
                     self.tracker.log(row, step=step)

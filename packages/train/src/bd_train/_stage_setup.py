@@ -14,7 +14,7 @@ import jax
 from bd_core import TRACE_VERSION, Fingerprint, FingerprintMismatch, fingerprint, require_compatible
 from bd_data import ByteTokenizer, Example, HFTokenizer, get_task, load_jsonl
 from bd_models import ModelConfig
-from bd_models._sampler_config import SamplerConfig
+from bd_models import SamplerConfig
 
 from ._pipeline_config import OptimSection, PipelineConfig, SamplerSection, pipeline_config
 

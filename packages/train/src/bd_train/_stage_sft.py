@@ -44,16 +44,23 @@ def _train(setup: Setup, context: PipelineContext, role: str) -> StageResult:
     init_key, eval_key = jax.random.split(key)
     identity = setup.identity(role)
     _, state = fresh_state(setup.model_config(role), setup.optimizer_config(cfg.sft.optim, steps), key=init_key)
-    trainer = Trainer(sft_objective, make_optimizer(setup.optimizer_config(cfg.sft.optim, steps)),
-                      TrainerConfig(microbatches=cfg.sft.microbatches))
+    optimizer = setup.optimizer_config(cfg.sft.optim, steps)
+    trainer = Trainer(sft_objective, make_optimizer(optimizer), TrainerConfig(microbatches=cfg.sft.microbatches))
     data = iterate(sft_dataset(setup.source("train"), tok, cfg.canvas, cfg.sft.corruption,
                                seed=cfg.run.seed + ROLES.index(role), batch_size=cfg.sft.batch_size))
     with open_tracker(setup, context, stage) as tracker:
         loop = StageLoop(name=stage, directory=context.checkpoint_dir(stage), fingerprints={"identity": identity},
                          config=cfg.to_dict(), every=cfg.run.checkpoint_every, max_to_keep=cfg.run.max_to_keep,
-                         log_every=cfg.run.log_every, tracker=tracker, data_iterator=data)
+                         log_every=cfg.run.log_every, tracker=tracker, data_iterator=data,
+                         learning_rate=optimizer.learning_rate_schedule())
+
+        def step_fn(state, step):
+            batch = next(data)
+            state, metrics = trainer.step(state, batch)
+            return state, dict(metrics, tokens=float(batch.denom_weights.sum()))
+
         state = loop.resume(state)
-        state = loop.run(state, steps, lambda s, _: trainer.step(s, next(data)))
+        state = loop.run(state, steps, step_fn)
         report = evaluate(state.model, setup, cfg.eval, key=eval_key, title=f"{role} after SFT")
         tracker.log({f"eval/{k}": v for k, v in report["evaluation"].items()}, step=steps)
         tracker.log_table("eval/samples", ["prompt", "answer", "completion", "reward"],

@@ -1,5 +1,5 @@
-"""The pipeline's report: the held-out summary table (printed, kept, written as JSON) and the
-Metaflow card contents of each stage (curves, eval table, samples, a denoising trace)."""
+"""The pipeline's report: the held-out summary table of the four models, printed, kept as an
+artifact and written as JSON."""
 
 from __future__ import annotations
 
@@ -40,32 +40,3 @@ def format_summary(summary: Mapping[str, Mapping[str, Any]]) -> str:
         lines.append(f"{row:<14} {values['accuracy']:>9.3f} {values['mean_reward']:>8.3f} {values['n']:>5d} "
                      f"{values.get('nfe_per_token', float('nan')):>10.3f}")
     return "\n".join(lines)
-
-
-def stage_card(card: Any, result: StageResult) -> None:
-    """Fill a Metaflow card (`current.card[...]`) with the stage's curves, eval, samples and trace."""
-    from metaflow.cards import Image, Markdown, Table
-
-    card.append(Markdown(f"# {result.stage}\ncheckpoint `{result.checkpoint_dir}` at step {result.step}"))
-    if result.curves_png:
-        card.append(Image(result.curves_png, label="training curves"))
-    if result.evaluation:
-        card.append(Markdown("## Held-out evaluation"))
-        card.append(Table([[k, f"{v:.4g}" if isinstance(v, float) else str(v)] for k, v in result.evaluation.items()],
-                          headers=["metric", "value"]))
-    if result.samples:
-        card.append(Markdown("## Sample completions"))
-        card.append(Table([[s["prompt"], s["answer"], s["completion"], f"{s['reward']:.2f}"] for s in result.samples],
-                          headers=["prompt", "answer", "completion", "reward"]))
-    if result.trace_png:
-        card.append(Markdown("## One denoising trace (blue: committed at that step; grey: still masked)"))
-        card.append(Image(result.trace_png, label="denoising trace"))
-
-
-def summary_card(card: Any, summary: Mapping[str, Mapping[str, Any]]) -> None:
-    from metaflow.cards import Markdown, Table
-
-    card.append(Markdown("# Held-out summary"))
-    card.append(Table([[row, *(f"{v.get(k, float('nan')):.4g}" for k in ("accuracy", "mean_reward", "nfe_per_token")),
-                        str(v.get("n", ""))] for row, v in summary.items()],
-                      headers=["model", "accuracy", "mean reward", "NFE/token", "n"]))

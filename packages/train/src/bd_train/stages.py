@@ -19,7 +19,5 @@ from ._stage_setup import StageResult as StageResult
 from ._stage_setup import check_distillation_pair as check_distillation_pair
 from ._stage_sft import run_sft as run_sft
 from ._summary import format_summary as format_summary
-from ._summary import stage_card as stage_card
 from ._summary import summarize as summarize
-from ._summary import summary_card as summary_card
 from ._tracking import Tracker as Tracker

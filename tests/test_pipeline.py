@@ -1,0 +1,159 @@
+"""The Metaflow pipeline on the smoke preset, run for real through the Runner API.
+
+One run is made to fail inside GRPO (after a checkpoint) and is finished by `resume`: that run
+proves the whole flow, the W&B offline logs, the cards and resume at once. A second run adopts a
+teacher checkpoint with another block size and must fail closed at the join.
+"""
+
+import base64
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from metaflow import Runner
+
+from bd_train import Checkpointer
+from bd_train.stages import FAULT_ENV, Setup, parse_pipeline_config
+from bd_train._stage_run import fresh_state
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOW = str(ROOT / "flows" / "bd_pipeline.py")
+SMOKE = ROOT / "flows" / "configs" / "smoke.toml"
+
+
+def flow_env(cwd: Path, **extra) -> dict:
+    # The datastore is found from the working directory (`<cwd>/.metaflow`), here a temp dir.
+    return {"METAFLOW_USER": "tester", "WANDB_MODE": "offline",
+            "BDLM_PROGRESS": "0", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", **extra}
+
+
+def wandb_records(path: Path):
+    """Records of a W&B offline log (`run-*.wandb`): a LevelDB-style log of protobuf `Record`s."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, block, pending = path.read_bytes(), 7, 32768, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        payload, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            continue
+        pending = payload if kind in (1, 2) else pending + payload
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def wandb_runs(root: Path) -> list[dict]:
+    runs = []
+    for log in sorted(root.glob("runs/wandb/wandb/offline-run-*/run-*.wandb")):
+        info = {"keys": set()}
+        for record in wandb_records(log):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                info.update(job_type=record.run.job_type, group=record.run.run_group)
+            elif kind == "history":
+                info["keys"] |= {item.key or "/".join(item.nested_key) for item in record.history.item}
+        runs.append(info)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory):
+    """Smoke flow that crashes after GRPO update 2 (checkpoint saved), then `resume`."""
+    cwd = tmp_path_factory.mktemp("pipeline")
+    env = flow_env(cwd, **{FAULT_ENV: "grpo:2"})
+    with Runner(FLOW, show_output=False, cwd=str(cwd), env=env, config=[("config", str(SMOKE))]).run(
+            max_workers=2) as failed:
+        assert failed.status == "failed", failed.stdout[-2000:] + failed.stderr[-2000:]
+        assert "simulated failure after step 2" in failed.stderr + failed.stdout
+        origin = failed.run.id
+    with Runner(FLOW, show_output=False, cwd=str(cwd), env=env).resume(origin_run_id=origin) as resumed:
+        assert resumed.status == "successful", resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        return cwd, resumed.run, origin
+
+
+def test_resume_continues_grpo_from_its_latest_checkpoint(resumed_run):
+    _, run, origin = resumed_run
+    grpo = run["grpo"].task.data.grpo_result
+    steps = [row["step"] for row in grpo.history]
+    assert steps[0] == 4 and steps[-1] == 8, steps  # 4 rollouts x 2 updates, continued after update 2
+    assert origin in grpo.checkpoint_dir  # checkpoints live under the origin run: stable across resume
+    assert run["sft"].task.origin_pathspec is not None  # finished steps were cloned, not rerun
+
+
+def test_summary_table_is_kept_and_written(resumed_run):
+    cwd, run, _ = resumed_run
+    summary = run["end"].task.data.summary
+    assert list(summary) == ["teacher_sft", "student_sft", "student_opd", "student_grpo"]
+    for row in summary.values():
+        assert row["n"] == 16 and 0.0 <= row["accuracy"] <= 1.0 and 0.0 <= row["mean_reward"] <= 1.0
+    assert json.loads((cwd / "runs" / "latest" / "summary.json").read_text()) == summary
+
+
+def test_wandb_offline_logs_hold_the_stage_metrics(resumed_run):
+    cwd, _, origin = resumed_run
+    runs = wandb_runs(cwd)
+    by_stage = {}
+    for info in runs:
+        assert info["group"] == origin
+        by_stage.setdefault(info["job_type"], set()).update(info["keys"])
+    assert set(by_stage) == {"sft-teacher", "sft-student", "opd", "grpo"}
+    common = {"loss", "grad_norm", "learning_rate", "tokens", "skipped_total", "eval/accuracy", "eval/mean_reward"}
+    for stage, keys in by_stage.items():
+        assert common <= keys, (stage, common - keys)
+    assert {"kl", "teacher_agreement", "nfe_per_token"} <= by_stage["opd"]
+    assert {"reward_mean", "reward_std", "accuracy", "kl", "clip_fraction", "ratio_mean", "entropy",
+            "nfe_per_token", "completion_length", "ratio_first_update"} <= by_stage["grpo"]
+
+
+def test_cards_show_curves_eval_samples_and_a_trace(resumed_run):
+    cwd, run, _ = resumed_run
+    out = cwd / "grpo_card.html"
+    env = {**os.environ, **flow_env(cwd)}
+    done = subprocess.run([sys.executable, FLOW, "card", "get", f"{run.id}/grpo", str(out)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    # The card's components are embedded in the page as base64 JSON.
+    encoded = re.search(r'window.__MF_DATA__\["[^"]+"\] = "([^"]+)"', out.read_text()).group(1)
+    card = base64.b64decode(encoded).decode()
+    for text in ("Held-out evaluation", "Sample completions", "denoising trace", "mean_reward"):
+        assert text in card
+    assert card.count('"type": "image"') == 2  # training curves and the trace picture
+
+
+def test_first_grpo_update_has_ratio_one(resumed_run):
+    _, run, _ = resumed_run
+    history = run["grpo"].task.data.grpo_result.history
+    for row in history:
+        assert abs(row["ratio_first_update"] - 1.0) <= 1e-5
+        assert row["clip_fraction_first_update"] == 0.0
+
+
+def test_teacher_with_another_block_size_fails_closed_at_the_join(tmp_path):
+    # A real SFT checkpoint of a teacher trained with block size 8.
+    text = SMOKE.read_text().replace("block_size = 4", "block_size = 8")
+    other = Setup(parse_pipeline_config(text))
+    _, state = fresh_state(other.model_config("teacher"), other.optimizer_config(other.config.sft.optim, 10),
+                           key=jax.random.key(0))
+    teacher_dir = tmp_path / "teacher-b8"
+    with Checkpointer(teacher_dir) as checkpoints:
+        checkpoints.save(state, fingerprints={"identity": other.identity("teacher")})
+    preset = tmp_path / "adopt.toml"
+    preset.write_text(SMOKE.read_text().replace("[teacher]\n", f"[teacher]\ncheckpoint = '{teacher_dir}'\n"))
+    with Runner(FLOW, show_output=False, cwd=str(tmp_path), env=flow_env(tmp_path),
+                config=[("config", str(preset))]).run(max_workers=2) as running:
+        assert running.status == "failed"
+        log = running.stdout + running.stderr
+    assert "/join/" in log and "block_size: saved 8, current 4" in log, log[-3000:]
+    assert "The teacher must use the student's tokenizer, block size and canvas" in log
