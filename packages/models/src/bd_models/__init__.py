@@ -8,6 +8,7 @@ from ._attention import sharded_attention as sharded_attention
 from ._cache import KVCache as KVCache
 from ._config import ConfigError as ConfigError
 from ._config import ModelConfig as ModelConfig
+from ._config import REMAT_POLICIES as REMAT_POLICIES
 from ._layers import DecoderLayer as DecoderLayer
 from ._mask import TokenMeta as TokenMeta
 from ._mask import allowed as allowed
@@ -26,7 +27,9 @@ from ._sampling_dist import confidence as confidence
 from ._sampling_dist import entropy as entropy
 from ._sampling_dist import sampling_logprobs as sampling_logprobs
 from ._sampling_dist import token_logprob as token_logprob
+from ._sharding import MeshError as MeshError
 from ._sharding import batch_sharding as batch_sharding
+from ._sharding import check_divisibility as check_divisibility
 from ._sharding import make_mesh as make_mesh
 from ._sharding import param_partition_specs as param_partition_specs
 from ._sharding import shard_batch as shard_batch

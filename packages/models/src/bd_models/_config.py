@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 ATTENTION_IMPLS = ("dense", "blocked", "shard_map")
 DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "save_matmuls")
 
 
 class ConfigError(ValueError):
@@ -24,7 +25,9 @@ class ConfigError(ValueError):
 class ModelConfig:
     """Decoder architecture. `attention` picks the implementation: `dense` (reference), `blocked`
     (online softmax over the key tiles the mask allows; O(T) memory) or `shard_map` (`blocked` per
-    shard, batch over (`data`, `fsdp`), heads over `model`, on the mesh set with `jax.set_mesh`)."""
+    shard, batch over (`data`, `fsdp`), heads over `model`, on the mesh set with `jax.set_mesh`).
+    `remat` picks what the backward pass recomputes per layer: `none` (keep every activation),
+    `full` (keep only each layer's input) or `save_matmuls` (keep the matmul outputs)."""
 
     vocab_size: int
     d_model: int
@@ -41,6 +44,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     q_tile: int = 64
     k_tile: int = 64
+    remat: str = "none"
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "block_size",
@@ -72,6 +76,8 @@ class ModelConfig:
                 raise ConfigError(f"ModelConfig.{name}: expected one of {DTYPES}, got {getattr(self, name)!r}")
         if self.attention not in ATTENTION_IMPLS:
             raise ConfigError(f"ModelConfig.attention: expected one of {ATTENTION_IMPLS}, got {self.attention!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ConfigError(f"ModelConfig.remat: expected one of {REMAT_POLICIES}, got {self.remat!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ConfigError(f"ModelConfig.tie_embeddings: expected a bool, got {self.tie_embeddings!r}")
 

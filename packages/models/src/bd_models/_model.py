@@ -23,6 +23,16 @@ from ._layers import DecoderLayer, rms_norm, rope_angles
 from ._mask import TokenMeta
 
 
+def remat_layer(layer_step, policy: str):
+    """`layer_step` under the config's rematerialization policy. The layer matmuls are 2-D (no
+    batch dims), so `save_matmuls` keeps exactly them and recomputes norms, RoPE and attention."""
+    if policy == "none":
+        return layer_step
+    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if policy == "save_matmuls" else None
+    # Inside a scan the CSE barrier only costs: the scan body already stops XLA from merging.
+    return jax.checkpoint(layer_step, policy=saveable, prevent_cse=False)
+
+
 def _heads_first(q_BxTxKxGxE, k_BxTxKxE, v_BxTxKxE):
     return (jnp.transpose(q_BxTxKxGxE, (0, 2, 3, 1, 4)), jnp.transpose(k_BxTxKxE, (0, 2, 1, 3)),
             jnp.transpose(v_BxTxKxE, (0, 2, 1, 3)))
@@ -79,7 +89,7 @@ class BlockDiffusionLM(eqx.Module):
                                    q_tile=config.q_tile, k_tile=config.k_tile)
             return layer.finish(x_BxTxD, jnp.transpose(out_BxKxGxTxE, (0, 3, 1, 2, 4)), config), None
 
-        x, _ = lax.scan(layer_step, x.astype(config.compute_jnp_dtype), self.layers)
+        x, _ = lax.scan(remat_layer(layer_step, config.remat), x.astype(config.compute_jnp_dtype), self.layers)
         return self._logits(x)
 
     def _logits(self, x_BxTxD) -> Float[Array, "B T V"]:

@@ -1,8 +1,6 @@
 """Meshes and partition specs: FSDP over the embedding dim, tensor parallel over heads and the
-MLP hidden dim, batches over (`data`, `fsdp`).
-
-Axes that do not divide a dimension are dropped from its spec (that dimension is replicated),
-so any model runs on any mesh; the test configs divide every axis.
+MLP hidden dim, batches over (`data`, `fsdp`); sizes that do not divide their axes fail before
+compiling. With several processes, arrays are assembled from each process's host data.
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._attention import BATCH_AXES, MODEL_AXIS
+from ._config import ModelConfig
 
 AXES = ("data", "fsdp", "model")
 
@@ -44,14 +43,31 @@ def make_mesh(data: int, fsdp: int, model: int, devices: Sequence[jax.Device] | 
     return jax.make_mesh((data, fsdp, model), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
+class MeshError(ValueError):
+    """A batch or model size that does not divide the mesh axes it is sharded over."""
+
+
+def check_divisibility(config: ModelConfig, mesh: Mesh, batch_size: int | None = None) -> None:
+    """Refuse, before anything compiles, a batch, head count or hidden size that does not divide
+    the mesh axes it is split over (the batch over the product of all data-parallel axes)."""
+    n_batch, fsdp, model = mesh.shape["data"] * mesh.shape["fsdp"], mesh.shape["fsdp"], mesh.shape[MODEL_AXIS]
+    checks = [("batch size", batch_size, "data*fsdp", n_batch),
+              ("n_heads", config.n_heads, "model", model), ("n_kv_heads", config.n_kv_heads, "model", model),
+              ("d_ff", config.d_ff, "model", model), ("d_model", config.d_model, "fsdp", fsdp)]
+    for name, size, axes, n in checks:
+        if size is not None and size % n:
+            raise MeshError(f"{name} = {size} does not divide the mesh axes it is sharded over ({axes} = {n}) "
+                            f"on the mesh {dict(mesh.shape)}; make {name} a multiple of {n} or change the mesh")
+
+
 def _name(path) -> str:
     last = path[-1]
     return str(getattr(last, "name", getattr(last, "key", last)))
 
 
 def param_partition_specs(model, mesh: Mesh | None = None):
-    """A pytree like `model` with a `PartitionSpec` per array. With `mesh`, axes that do not
-    divide their dimension are left out."""
+    """A pytree like `model` with a `PartitionSpec` per array. With `mesh`, a dimension that its
+    axis does not divide raises `MeshError` naming the parameter."""
 
     def spec(path, leaf):
         name = _name(path)
@@ -59,33 +75,53 @@ def param_partition_specs(model, mesh: Mesh | None = None):
             raise ValueError(f"param_partition_specs: no partition rule for parameter {jax.tree_util.keystr(path)}")
         axes = [None if a == "__none__" else a for a in _SPECS[name]]
         axes = [None] * (np.ndim(leaf) - len(axes)) + axes  # the stacked layer axis is never split
-        if mesh is not None:
-            axes = [a if a is None or np.shape(leaf)[i] % mesh.shape[a] == 0 else None for i, a in enumerate(axes)]
+        for dim, axis in enumerate(axes):
+            if mesh is not None and axis is not None and np.shape(leaf)[dim] % mesh.shape[axis]:
+                raise MeshError(f"parameter {jax.tree_util.keystr(path)}: dimension {dim} of shape "
+                                f"{np.shape(leaf)} does not divide the mesh axis {axis} = {mesh.shape[axis]}; "
+                                f"change the model size or the mesh")
         return P(*axes)
 
     return jax.tree_util.tree_map_with_path(spec, model)
 
 
+def _place(x, sharding: NamedSharding, global_shape: tuple[int, ...]):
+    # One process: a plain transfer. Several: every process passes host data and keeps its shards.
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_process_local_data(sharding, np.asarray(x), global_shape)
+
+
 def shard_model(model, mesh: Mesh):
-    """Place every parameter on `mesh` by `param_partition_specs`."""
+    """Place every parameter on `mesh` by `param_partition_specs` (after `check_divisibility`).
+    With several processes every process must pass the same model (same key)."""
+    if isinstance(getattr(model, "config", None), ModelConfig):
+        check_divisibility(model.config, mesh)
     specs = param_partition_specs(model, mesh)
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), model, specs)
+    return jax.tree.map(lambda x, s: _place(x, NamedSharding(mesh, s), np.shape(x)), model, specs)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
-def shard_batch(batch, mesh: Mesh):
-    """Place every array of a batch pytree with its leading (batch) axis over (`data`, `fsdp`)."""
+def shard_batch(batch, mesh: Mesh, *, process_local: bool = False):
+    """Place every array of a batch pytree with its leading (batch) axis over (`data`, `fsdp`).
+
+    With several processes, each passes either the same global batch (the default: every process
+    reads the same deterministic stream and keeps its rows) or, with `process_local=True`, only
+    its own rows (a data pipeline sharded by process), which are concatenated in process order.
+    """
     n = mesh.shape["data"] * mesh.shape["fsdp"]
+    scale = jax.process_count() if process_local else 1
 
     def put(x):
         if np.ndim(x) == 0:
-            return jax.device_put(x, NamedSharding(mesh, P()))
-        if np.shape(x)[0] % n:
-            raise ValueError(f"shard_batch: batch size {np.shape(x)[0]} does not divide by data*fsdp = {n}; "
-                             f"use a batch size that is a multiple of {n}")
-        return jax.device_put(x, batch_sharding(mesh))
+            return _place(x, NamedSharding(mesh, P()), ())
+        shape = (np.shape(x)[0] * scale, *np.shape(x)[1:])
+        if shape[0] % n:
+            raise MeshError(f"shard_batch: batch size {shape[0]} does not divide the data-parallel axes "
+                            f"data*fsdp = {n}; use a batch size that is a multiple of {n}")
+        return _place(x, batch_sharding(mesh), shape)
 
     return jax.tree.map(put, batch)
