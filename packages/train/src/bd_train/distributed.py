@@ -1,0 +1,13 @@
+"""Multi-process training: join a JAX process group from the environment or from a Metaflow
+`@parallel` step, before any computation; meshes then span every process's devices.
+"""
+
+from ._distributed import COORDINATOR_ENV as COORDINATOR_ENV
+from ._distributed import NUM_PROCESSES_ENV as NUM_PROCESSES_ENV
+from ._distributed import PORT_ENV as PORT_ENV
+from ._distributed import PROCESS_ID_ENV as PROCESS_ID_ENV
+from ._distributed import DistributedError as DistributedError
+from ._distributed import ProcessGroup as ProcessGroup
+from ._distributed import free_port as free_port
+from ._distributed import initialize as initialize
+from ._distributed import shutdown as shutdown
