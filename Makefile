@@ -20,6 +20,11 @@ $(UV):
 	$(UV) sync --python $(PYTHON) --all-packages --group dev --quiet
 	@touch $@
 
+# The pipeline on its default preset; Metaflow's datastore is .metaflow/, everything else runs/.
+run: sync
+	PYTHONUNBUFFERED=1 $(RUN) python flows/bd_pipeline.py run --max-workers 2
+	@$(RUN) python -c "from bd_train.stages import print_summary; print_summary('runs/latest/summary.json')"
+
 test: sync
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(RUN) pytest -q
 

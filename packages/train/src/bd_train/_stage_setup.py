@@ -25,6 +25,11 @@ SHARED_IDENTITY_KEYS = ("tokenizer", "vocab_size", "mask_id", "pad_id", "eos_id"
                         "prompt_len", "max_new_tokens", "alignment")
 
 
+# How the model is computed, not what it computes (the implementations agree to float tolerance):
+# a stage may change these without invalidating the checkpoint it starts from.
+EXECUTION_FIELDS = ("attention", "q_tile", "k_tile", "remat")
+
+
 class StageError(RuntimeError):
     """A stage refused to start or continue (mismatched checkpoint, missing file); nothing was lost."""
 
@@ -164,11 +169,32 @@ def check_start_identity(saved: Fingerprint, expected: Fingerprint, *, what: str
 
 
 def progress(iterable, *, total: int, description: str):
-    """A progress bar on long loops (plain lines when output is not a terminal)."""
+    """A tqdm bar on a terminal. Elsewhere (Metaflow step logs, CI) a bar redrawn with carriage
+    returns is one endless line, so tqdm prints a plain line every ~10% instead."""
+    import sys
+
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, total=total, desc=description, mininterval=2.0, dynamic_ncols=True,
-                disable=os.environ.get("BDLM_PROGRESS", "1") == "0")
+    disable = os.environ.get("BDLM_PROGRESS", "1") == "0"
+    if sys.stderr.isatty():
+        return tqdm(iterable, total=total, desc=description, mininterval=1.0, dynamic_ncols=True, disable=disable)
+    return tqdm(iterable, total=total, desc=description, mininterval=15.0, miniters=max(1, total // 10),
+                ncols=100, ascii=True, disable=disable, file=_LineWriter(sys.stderr))
+
+
+class _LineWriter:
+    """Turns tqdm's carriage-return redraws into one line per update."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 def trace_text(tokenizer) -> Callable[[int], str]:

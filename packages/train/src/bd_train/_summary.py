@@ -40,3 +40,8 @@ def format_summary(summary: Mapping[str, Mapping[str, Any]]) -> str:
         lines.append(f"{row:<14} {values['accuracy']:>9.3f} {values['mean_reward']:>8.3f} {values['n']:>5d} "
                      f"{values.get('nfe_per_token', float('nan')):>10.3f}")
     return "\n".join(lines)
+
+
+def print_summary(path: str | Path) -> None:
+    """Print a written `summary.json` as the table."""
+    print(format_summary(json.loads(Path(path).read_text())))

@@ -19,5 +19,6 @@ from ._stage_setup import StageResult as StageResult
 from ._stage_setup import check_distillation_pair as check_distillation_pair
 from ._stage_sft import run_sft as run_sft
 from ._summary import format_summary as format_summary
+from ._summary import print_summary as print_summary
 from ._summary import summarize as summarize
 from ._tracking import Tracker as Tracker
