@@ -183,9 +183,10 @@ class AdditionLSDTask(AdditionTask):
 
 
 TASKS: dict[str, type[Task]] = {t.name: t for t in (SortTask, ArgsortTask, AdditionTask, AdditionLSDTask)}
-# Measured (ENVIRONMENT.md): 6-digit sort is learned to >90% by 57k-335k-parameter models in
-# 150 s; plain addition is far too slow at that size.
-DEFAULT_TASK = "sort"
+# Measured (BENCHMARKS.md, bench/sft_weighting.py): 6-digit sort saturates at 100% within 300
+# steps, leaving nothing for distillation or GRPO; 6-digit argsort separates a 0.3M teacher from
+# an 86k student and keeps rising, so it is the pipeline's task. Plain addition is far too slow.
+DEFAULT_TASK = "argsort"
 
 
 def get_task(name: str, **params) -> Task:
