@@ -74,12 +74,39 @@ class ModelSection:
     attention: Literal["dense", "blocked", "shard_map"] = "blocked"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: Literal["none", "full", "save_matmuls"] = "none"  # what the backward pass recomputes per layer
     checkpoint: str | None = None  # start from this SFT checkpoint folder instead of training
 
     def model_kwargs(self) -> dict[str, Any]:
         return dict(d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
                     n_kv_heads=self.n_kv_heads or self.n_heads, d_ff=self.d_ff or 4 * self.d_model,
-                    attention=self.attention, param_dtype=self.param_dtype, compute_dtype=self.compute_dtype)
+                    attention=self.attention, param_dtype=self.param_dtype, compute_dtype=self.compute_dtype,
+                    remat=self.remat)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+    """The training mesh over every process's devices: `data` x `fsdp` x `model` devices in all,
+    spread over `num_nodes` processes (Metaflow `@parallel` nodes, one per host)."""
+
+    data: int = 1
+    fsdp: int = 1
+    model: int = 1
+    num_nodes: int = 1
+
+    def __post_init__(self):
+        _positive(data=self.data, fsdp=self.fsdp, model=self.model, num_nodes=self.num_nodes)
+        if self.devices % self.num_nodes:
+            raise ConfigError(f"num_nodes: {self.num_nodes} nodes cannot split data*fsdp*model = {self.devices} "
+                              f"devices evenly; make the device count a multiple of num_nodes")
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.fsdp * self.model
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.devices // self.num_nodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +229,7 @@ class PipelineConfig:
     grpo: GRPOSection = GRPOSection()
     eval: EvalSection = EvalSection()
     run: RunSection = RunSection()
+    mesh: MeshSection = MeshSection()
 
     def __post_init__(self):
         if self.canvas.policy != "block_aligned":

@@ -11,7 +11,7 @@ import equinox as eqx
 import jax
 import numpy as np
 from bd_data import iterate, prompt_dataset
-from bd_models import sample
+from bd_models import sample, shard_model
 from bd_models import decode_completions
 
 from ._evaluate import evaluate
@@ -22,7 +22,7 @@ from ._plots import curves_png
 from ._replay import build_replay
 from ._scoring import token_logprobs
 from ._stage_opd import replay_capacity
-from ._stage_run import StageLoop, open_tracker, restore_model
+from ._stage_run import StageLoop, gathered, mesh_scope, on_mesh, open_tracker, restore_model, training_mesh
 from ._stage_setup import PipelineContext, Setup, StageResult
 from ._trainer import Trainer
 
@@ -55,21 +55,22 @@ def run_grpo(config: Any, context: PipelineContext, *, start: StageResult) -> St
     trainer = Trainer(make_grpo_loss(grpo, distribution_score(distribution)), make_optimizer(optimizer))
     key = jax.random.fold_in(jax.random.key(cfg.run.seed), 3)
     train_key, rollout_key, eval_key = jax.random.split(key, 3)
-    state = trainer.init(model, key=train_key)
+    mesh = training_mesh(setup, setup.model_config("student"), section.prompts_per_step * group)
+    state = trainer.init(model if mesh is None else shard_model(model, mesh), key=train_key)
     prompts = iterate(prompt_dataset(setup.source("train"), tok, cfg.canvas, seed=cfg.run.seed + 3,
                                      batch_size=section.prompts_per_step))
 
     def step_fn(state, step):
         batch = next(prompts)
         tokens, valid = np.repeat(batch.tokens, group, 0), np.repeat(batch.valid, group, 0)
-        rollout = sample(state.model, (tokens, valid), sampler, key=jax.random.fold_in(rollout_key, step))
+        rollout = sample(gathered(state.model), (tokens, valid), sampler, key=jax.random.fold_in(rollout_key, step))
         texts = decode_completions(tok, rollout, stop_ids=sampler.stop_ids)
         examples = [example for example in batch.examples for _ in range(group)]
         rewards = np.asarray([setup.reward(e, t) for e, t in zip(examples, texts)], np.float32)
         replay = build_replay(rollout, mask_id=tok.mask_id, num_views=views)
         ref_logp = _reference_logprobs(reference, replay.batch, distribution) if section.beta > 0 else None
-        grpo_batch = GRPOBatch(replay.batch, replay.recorded_logprobs,
-                               compute_advantages(rewards, group, section.advantage), ref_logp)
+        grpo_batch = on_mesh(GRPOBatch(replay.batch, replay.recorded_logprobs,
+                                       compute_advantages(rewards, group, section.advantage), ref_logp), mesh)
         first = None
         for _ in range(updates):
             state, metrics = trainer.step(state, grpo_batch)
@@ -89,8 +90,9 @@ def run_grpo(config: Any, context: PipelineContext, *, start: StageResult) -> St
                          log_every=cfg.run.log_every, tracker=tracker, data_iterator=prompts,
                          learning_rate=optimizer.learning_rate_schedule())
         state = loop.resume(state)
-        state = loop.run(state, total, step_fn, updates_per_step=updates)
-        report = evaluate(state.model, setup, cfg.eval, key=eval_key, title="student after GRPO")
+        with mesh_scope(mesh):
+            state = loop.run(state, total, step_fn, updates_per_step=updates)
+        report = evaluate(gathered(state.model), setup, cfg.eval, key=eval_key, title="student after GRPO")
         tracker.log({f"eval/{k}": v for k, v in report["evaluation"].items()}, step=total)
         tracker.log_table("eval/samples", ["prompt", "answer", "completion", "reward"],
                           [list(s.values()) for s in report["samples"]], step=total)

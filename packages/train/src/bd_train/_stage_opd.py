@@ -14,7 +14,7 @@ import numpy as np
 from bd_core import DistillationBatch
 from bd_data import iterate, prompt_dataset
 from bd_models import ModelConfig
-from bd_models import sample
+from bd_models import sample, shard_model
 
 from ._evaluate import evaluate
 from ._opd import OPDConfig, make_opd_loss
@@ -22,7 +22,7 @@ from ._optim import make_optimizer
 from ._pipeline_config import pipeline_config
 from ._plots import curves_png
 from ._replay import build_replay
-from ._stage_run import StageLoop, open_tracker, restore_model
+from ._stage_run import StageLoop, gathered, mesh_scope, on_mesh, open_tracker, restore_model, training_mesh
 from ._stage_setup import PipelineContext, Setup, StageResult
 from ._trainer import Trainer
 
@@ -57,16 +57,17 @@ def run_opd(config: Any, context: PipelineContext, *, teacher: StageResult, stud
     trainer = Trainer(loss_fn, make_optimizer(optimizer))
     key = jax.random.fold_in(jax.random.key(cfg.run.seed), 2)
     train_key, rollout_key, eval_key = jax.random.split(key, 3)
-    state = trainer.init(student_model, key=train_key)
+    mesh = training_mesh(setup, setup.model_config("student"), section.prompts_per_step)
+    state = trainer.init(student_model if mesh is None else shard_model(student_model, mesh), key=train_key)
     prompts = iterate(prompt_dataset(setup.source("train"), tok, cfg.canvas, seed=cfg.run.seed + 2,
                                      batch_size=section.prompts_per_step))
 
     def step_fn(state, step):
         batch = next(prompts)
-        rollout = sample(state.model, (batch.tokens, batch.valid), sampler, key=jax.random.fold_in(rollout_key, step))
+        rollout = sample(gathered(state.model), (batch.tokens, batch.valid), sampler, key=jax.random.fold_in(rollout_key, step))
         replay = build_replay(rollout, mask_id=tok.mask_id, num_views=views)
         logits = _teacher_logits(teacher_model, replay.batch.layout)
-        state, metrics = trainer.step(state, DistillationBatch(replay.batch, logits))
+        state, metrics = trainer.step(state, on_mesh(DistillationBatch(replay.batch, logits), mesh))
         generated = np.asarray(rollout.completion_valid).sum()
         metrics["nfe_per_token"] = float(np.asarray(rollout.nfe).sum() / max(1, generated))
         metrics["tokens"] = float(generated)
@@ -78,8 +79,9 @@ def run_opd(config: Any, context: PipelineContext, *, teacher: StageResult, stud
                          log_every=cfg.run.log_every, tracker=tracker, data_iterator=prompts,
                          learning_rate=optimizer.learning_rate_schedule())
         state = loop.resume(state)
-        state = loop.run(state, section.steps, step_fn)
-        report = evaluate(state.model, setup, cfg.eval, key=eval_key, title="student after OPD")
+        with mesh_scope(mesh):
+            state = loop.run(state, section.steps, step_fn)
+        report = evaluate(gathered(state.model), setup, cfg.eval, key=eval_key, title="student after OPD")
         tracker.log({f"eval/{k}": v for k, v in report["evaluation"].items()}, step=section.steps)
         tracker.log_table("eval/samples", ["prompt", "answer", "completion", "reward"],
                           [list(s.values()) for s in report["samples"]], step=section.steps)

@@ -5,14 +5,16 @@ SIGTERM handling and progress.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from bd_core import Fingerprint, FingerprintMismatch
-from bd_models import BlockDiffusionLM, ModelConfig
+from bd_models import BlockDiffusionLM, MeshError, ModelConfig, check_divisibility, make_mesh, shard_batch, shard_model
 
 from ._checkpoint import Checkpointer, CheckpointError
 from ._loop import _StopFlag
@@ -33,11 +35,49 @@ def open_checkpoints(directory: str | Path, *, create: bool, max_to_keep: int | 
         raise StageError(str(err)) from None
 
 
-def fresh_state(model_config: ModelConfig, optimizer: OptimizerConfig, *, key: jax.Array) -> tuple[Trainer, TrainState]:
-    """A train state of the architecture (the restore target, or a from-scratch start)."""
+def fresh_state(model_config: ModelConfig, optimizer: OptimizerConfig, *, key: jax.Array,
+                mesh: jax.sharding.Mesh | None = None) -> tuple[Trainer, TrainState]:
+    """A train state of the architecture (the restore target, or a from-scratch start); with a
+    mesh, the model and so the optimizer state built from it are sharded over it."""
     model_key, train_key = jax.random.split(key)
     trainer = Trainer(lambda m, b, k: 0.0, make_optimizer(optimizer))
-    return trainer, trainer.init(BlockDiffusionLM(model_config, key=model_key), key=train_key)
+    model = BlockDiffusionLM(model_config, key=model_key)
+    return trainer, trainer.init(model if mesh is None else shard_model(model, mesh), key=train_key)
+
+
+def training_mesh(setup: Setup, model_config: ModelConfig, batch_size: int) -> jax.sharding.Mesh | None:
+    """The config's mesh over every process's devices, checked against the model and the
+    (micro)batch; None on a single device, where nothing is placed."""
+    section = setup.config.mesh
+    if section.devices == 1:
+        return None
+    if section.devices != jax.device_count():
+        raise StageError(f"mesh: data*fsdp*model = {section.devices} but this run has {jax.device_count()} "
+                         f"devices over {jax.process_count()} process(es); match the mesh to the devices")
+    mesh = make_mesh(section.data, section.fsdp, section.model)
+    try:
+        check_divisibility(model_config, mesh, batch_size)
+    except MeshError as err:
+        raise StageError(f"mesh: {err}") from None
+    return mesh
+
+
+def on_mesh(batch: Any, mesh: jax.sharding.Mesh | None) -> Any:
+    """A training batch placed over the mesh's data axes (unchanged without a mesh)."""
+    return batch if mesh is None else shard_batch(batch, mesh)
+
+
+def mesh_scope(mesh: jax.sharding.Mesh | None):
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def gathered(model: Any) -> Any:
+    """The model whole on this process (for rollouts and evaluation when it spans processes)."""
+    if jax.process_count() == 1:
+        return model
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(jnp.asarray, multihost_utils.process_allgather(model, tiled=True))
 
 
 def restore_model(directory: str | Path, model_config: ModelConfig, identity: Fingerprint, *, what: str) -> Any:
@@ -70,7 +110,7 @@ def saved_identity(directory: str | Path) -> Fingerprint:
 def open_tracker(setup: Setup, context: PipelineContext, stage: str) -> Tracker:
     cfg = setup.config
     return Tracker(root=context.wandb_dir, project=cfg.run.project, stage=stage, group=context.run_id,
-                   config=cfg.to_dict())
+                   config=cfg.to_dict(), mode="disabled" if jax.process_index() else None)
 
 
 class StageLoop:
@@ -123,7 +163,7 @@ class StageLoop:
                 self.history.append(row)
                 if self.tracker is not None and (step % self.log_every == 0 or step >= total):
                     self.tracker.log(row, step=step)
-                bar.set_postfix({k: f"{row[k]:.3g}" for k in ("loss", "reward_mean") if k in row})
+                bar.set_postfix({k: f"{row[k]:.3g}" for k in ("loss", "reward_mean") if k in row}, refresh=False)
                 if step // self.every > (step - updates_per_step) // self.every or step >= total or flag.stop:
                     self._save(state)
                 if flag.stop:

@@ -18,7 +18,8 @@ from ._optim import make_optimizer
 from ._pipeline_config import pipeline_config
 from ._plots import curves_png
 from ._sft import sft_objective
-from ._stage_run import StageLoop, fresh_state, open_tracker, restore_model, saved_identity
+from ._stage_run import (StageLoop, fresh_state, gathered, mesh_scope, on_mesh, open_tracker, restore_model,
+                         saved_identity, training_mesh)
 from ._stage_setup import ROLES, SHARED_IDENTITY_KEYS, PipelineContext, Setup, StageError, StageResult
 from ._trainer import Trainer, TrainerConfig
 
@@ -43,7 +44,9 @@ def _train(setup: Setup, context: PipelineContext, role: str) -> StageResult:
     key = jax.random.fold_in(jax.random.key(cfg.run.seed), ROLES.index(role))
     init_key, eval_key = jax.random.split(key)
     identity = setup.identity(role)
-    _, state = fresh_state(setup.model_config(role), setup.optimizer_config(cfg.sft.optim, steps), key=init_key)
+    mesh = training_mesh(setup, setup.model_config(role), cfg.sft.batch_size // cfg.sft.microbatches)
+    _, state = fresh_state(setup.model_config(role), setup.optimizer_config(cfg.sft.optim, steps), key=init_key,
+                           mesh=mesh)
     optimizer = setup.optimizer_config(cfg.sft.optim, steps)
     trainer = Trainer(sft_objective, make_optimizer(optimizer), TrainerConfig(microbatches=cfg.sft.microbatches))
     data = iterate(sft_dataset(setup.source("train"), tok, cfg.canvas, cfg.sft.corruption,
@@ -56,12 +59,13 @@ def _train(setup: Setup, context: PipelineContext, role: str) -> StageResult:
 
         def step_fn(state, step):
             batch = next(data)
-            state, metrics = trainer.step(state, batch)
+            state, metrics = trainer.step(state, on_mesh(batch, mesh))
             return state, dict(metrics, tokens=float(batch.denom_weights.sum()))
 
         state = loop.resume(state)
-        state = loop.run(state, steps, step_fn)
-        report = evaluate(state.model, setup, cfg.eval, key=eval_key, title=f"{role} after SFT")
+        with mesh_scope(mesh):
+            state = loop.run(state, steps, step_fn)
+        report = evaluate(gathered(state.model), setup, cfg.eval, key=eval_key, title=f"{role} after SFT")
         tracker.log({f"eval/{k}": v for k, v in report["evaluation"].items()}, step=steps)
         tracker.log_table("eval/samples", ["prompt", "answer", "completion", "reward"],
                           [list(s.values()) for s in report["samples"]], step=steps)
