@@ -6,8 +6,6 @@ Writes bench/results/sampling.json and its BENCHMARKS.md section.
 from __future__ import annotations
 
 import json
-import pathlib
-import re
 import time
 
 import equinox as eqx
@@ -25,11 +23,8 @@ from bd_models import SamplerConfig
 from bd_models import decode_completions
 from bd_train import build_replay
 from bd_train import token_logprobs
+from _report import write_results, write_section
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "sampling.json"
-MARKDOWN = ROOT / "BENCHMARKS.md"
-START, END = "<!-- sampling:start -->", "<!-- sampling:end -->"
 HEADLINE = ModelConfig(vocab_size=260, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=1024, block_size=4)
 TOK = ByteTokenizer()
 BATCH, PROMPT, NEW = 8, 16, 256
@@ -149,7 +144,7 @@ def parallel_decoding(results: dict) -> list[tuple[str, float, float]]:
 def write_markdown(results: dict, rows) -> None:
     r = results
     lines = [
-        f"{START}", "## Sampling (`bench/sampling.py`)", "",
+        "## Sampling (`bench/sampling.py`)", "",
         f"Headline model (vocab 260, d 256, 4 layers, block 4), batch {BATCH}, prompt {PROMPT}, {NEW} new tokens, "
         "one token per step, no stops; one timed call each after a warm-up (compilation excluded).", "",
         "| measure | value | goal |", "|---|---|---|",
@@ -165,15 +160,9 @@ def write_markdown(results: dict, rows) -> None:
         "Parallel decoding: d 128 x 2 layers trained 400 steps on 6-digit sort, 256 eval prompts, greedy.", "",
         "| decoding | NFE per token | accuracy |", "|---|---|---|",
         *[f"| {name} | {nfe:.2f} | {acc:.1%} |" for name, nfe, acc in rows],
-        "", f"Goal: tau 0.9 <= 0.5 NFE per token.", END,
+        "", "Goal: tau 0.9 <= 0.5 NFE per token.",
     ]
-    section = "\n".join(lines)
-    text = MARKDOWN.read_text() if MARKDOWN.exists() else "# bdlm benchmarks\n"
-    if START in text and END in text:
-        text = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    MARKDOWN.write_text(text)
+    write_section("sampling", "\n".join(lines))
 
 
 def main() -> None:
@@ -181,8 +170,7 @@ def main() -> None:
     rows = parallel_decoding(results)
     print(json.dumps(results, indent=1))
     speed(results)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    write_results("sampling", results)
     write_markdown(results, rows)
     print(json.dumps(results, indent=1))
 

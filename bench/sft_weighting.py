@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import re
 import time
 
 import equinox as eqx
@@ -23,11 +22,10 @@ import numpy as np
 from bd_data import ByteTokenizer, CanvasConfig, CorruptionConfig, get_task, iterate, prompt_dataset, sft_dataset
 from bd_models import BlockDiffusionLM, ModelConfig, SamplerConfig, sample
 from bd_train import OptimizerConfig, Trainer, TrainerConfig, make_optimizer, sft_objective
+from _report import results_path, write_results, write_section
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "sft_weighting.json"
-MARKDOWN = ROOT / "BENCHMARKS.md"
-START, END = "<!-- sft_weighting:start -->", "<!-- sft_weighting:end -->"
+RESULTS = results_path("sft_weighting")
 
 SETTINGS = {  # name -> (weighting, t_min, t_max)
     "none_0.1_1.0": ("none", 0.1, 1.0),
@@ -177,13 +175,7 @@ def write_markdown(results: dict[str, float]) -> None:
         lines.append("")
     lines += ["Conclusion: " + conclusion(results, runs, names, points), "", "Command (then `--render` "
               "rewrites this section from the JSON):", "", "```", command, "```"]
-    section = f"{START}\n" + "\n".join(lines) + f"\n{END}"
-    text = MARKDOWN.read_text() if MARKDOWN.exists() else "# bdlm benchmarks\n"
-    if START in text and END in text:
-        text = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    MARKDOWN.write_text(text)
+    write_section("sft_weighting", "\n".join(lines))
 
 
 def label(name: str, sep: str = ", ") -> str:
@@ -301,8 +293,7 @@ def main() -> None:
     if args.no_write:
         print(json.dumps(results, indent=2, sort_keys=True))
     else:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+        write_results("sft_weighting", results)
         write_markdown(results)
     print(conclusion(results, *contents(results)[:3]))
 

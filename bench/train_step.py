@@ -7,9 +7,6 @@ measured in this process. Writes bench/results/train_step.json and its BENCHMARK
 
 from __future__ import annotations
 
-import json
-import pathlib
-import re
 import statistics
 import time
 
@@ -20,11 +17,8 @@ import optax
 
 from bd_core import ViewLayout
 from bd_models import BlockDiffusionLM, ModelConfig, model_flops
+from _report import write_results, write_section
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "train_step.json"
-MARKDOWN = ROOT / "BENCHMARKS.md"
-START, END = "<!-- train_step:start -->", "<!-- train_step:end -->"
 
 HEADLINE = ModelConfig(vocab_size=260, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=1024, block_size=4,
                        attention="blocked", compute_dtype="float32", param_dtype="float32")
@@ -126,13 +120,7 @@ def write_markdown(results: dict[str, float], lengths) -> None:
             f"{results[f'blocked_speedup_T{t}']:.2f}x | {results[f'dense_T{t}_temp_mb']:.1f} MiB | "
             f"{results[f'blocked_T{t}_temp_mb']:.1f} MiB |"
         )
-    section = f"{START}\n## Train step (`bench/train_step.py`)\n\n" + "\n".join(rows) + f"\n{END}"
-    text = MARKDOWN.read_text() if MARKDOWN.exists() else "# bdlm benchmarks\n"
-    if START in text and END in text:
-        text = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    MARKDOWN.write_text(text)
+    write_section("train_step", "## Train step (`bench/train_step.py`)\n\n" + "\n".join(rows))
 
 
 def main() -> None:
@@ -151,8 +139,7 @@ def main() -> None:
             results[f"{impl}_T{t}_temp_mb"] = point["temp_mb"]
             print(f"{impl:8s} T={t:5d}: {point['step_s']:.3f} s/step, temp {point['temp_mb']:.1f} MiB")
         results[f"blocked_speedup_T{t}"] = results[f"dense_T{t}_step_s"] / results[f"blocked_T{t}_step_s"]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    write_results("train_step", results)
     write_markdown(results, lengths)
 
 

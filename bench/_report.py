@@ -1,0 +1,31 @@
+"""Where benchmarks write: `bench/results/<name>.json` (flat name -> number) and their own section
+of BENCHMARKS.md, between `<!-- <name>:start -->` and `<!-- <name>:end -->` markers."""
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKDOWN = ROOT / "BENCHMARKS.md"
+
+
+def results_path(name: str) -> Path:
+    return ROOT / "bench" / "results" / f"{name}.json"
+
+
+def write_results(name: str, results: dict) -> None:
+    path = results_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+
+
+def write_section(name: str, body: str) -> None:
+    """Replace this benchmark's section of BENCHMARKS.md (append it if missing), nothing else."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    section = f"{start}\n{body.strip()}\n{end}"
+    text = MARKDOWN.read_text() if MARKDOWN.exists() else "# bdlm benchmarks\n"
+    if start in text and end in text:
+        text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: section, text, flags=re.S)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    MARKDOWN.write_text(text)
