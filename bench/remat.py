@@ -7,20 +7,13 @@ and the remat section of BENCHMARKS.md.
 
 from __future__ import annotations
 
-import json
-import pathlib
-import re
-
 import jax
 import optax
 
+from _report import write_results, write_section
 from bd_models import REMAT_POLICIES, BlockDiffusionLM
 from train_step import HEADLINE, make_step, median_time, sft_batch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "remat.json"
-MARKDOWN = ROOT / "BENCHMARKS.md"
-START, END = "<!-- remat:start -->", "<!-- remat:end -->"
 CONFIG = HEADLINE.replace(n_layers=8)  # deeper than the headline: saved activations scale with layers
 BATCH, CANVAS = 8, 256  # T = 512 packed tokens per row
 
@@ -51,13 +44,7 @@ def write_markdown(results: dict[str, dict[str, float]]) -> None:
     for policy, r in results.items():
         rows.append(f"| `{policy}` | {r['peak_mb']:.0f} MiB ({r['peak_mb'] / base['peak_mb']:.2f}x) | "
                     f"{r['temp_mb']:.0f} MiB | {r['step_s']:.2f} s ({r['step_s'] / base['step_s']:.2f}x) |")
-    section = "\n".join([START, "## Rematerialization", "", *rows, END])
-    text = MARKDOWN.read_text() if MARKDOWN.exists() else "# bdlm benchmarks\n"
-    if START in text and END in text:
-        text = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    MARKDOWN.write_text(text)
+    write_section("remat", "## Rematerialization (`bench/remat.py`)\n\n" + "\n".join(rows))
 
 
 def main() -> None:
@@ -66,8 +53,7 @@ def main() -> None:
         results[policy] = run(policy, steps=3)
         r = results[policy]
         print(f"remat={policy}: peak {r['peak_mb']:.0f} MiB, temp {r['temp_mb']:.0f} MiB, {r['step_s']:.2f} s/step")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    write_results("remat", {f"{policy}_{k}": v for policy, r in results.items() for k, v in r.items()})
     write_markdown(results)
 
 
