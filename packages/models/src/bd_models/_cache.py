@@ -7,7 +7,6 @@ block boundary). Entries are clean view-0 keys; `valid` says which slots hold on
 from __future__ import annotations
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, Shaped
 

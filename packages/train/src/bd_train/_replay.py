@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array
 
 from bd_core import CLEAN_VIEW, DiffusionTokenBatch, RolloutOutput, ViewLayout
 from bd_core._validate import is_concrete

@@ -14,15 +14,14 @@ from bd_data import iterate, prompt_dataset
 from bd_models import sample, shard_model
 from bd_models import decode_completions
 
-from ._evaluate import evaluate
 from ._grpo import GRPOBatch, GRPOConfig, compute_advantages, distribution_score, make_grpo_loss
 from ._optim import make_optimizer
 from ._pipeline_config import pipeline_config
-from ._plots import curves_png
 from ._replay import build_replay
 from ._scoring import token_logprobs
 from ._stage_opd import replay_capacity
-from ._stage_run import StageLoop, gathered, mesh_scope, on_mesh, open_tracker, restore_model, training_mesh
+from ._stage_report import run_stage
+from ._stage_run import gathered, on_mesh, restore_model, training_mesh
 from ._stage_setup import PipelineContext, Setup, StageResult
 from ._trainer import Trainer
 
@@ -84,21 +83,6 @@ def run_grpo(config: Any, context: PipelineContext, *, start: StageResult) -> St
                        tokens=float(generated))
         return state, metrics
 
-    with open_tracker(setup, context, stage) as tracker:
-        loop = StageLoop(name=stage, directory=context.checkpoint_dir(stage), fingerprints={"identity": identity},
-                         config=cfg.to_dict(), every=cfg.run.checkpoint_every, max_to_keep=cfg.run.max_to_keep,
-                         log_every=cfg.run.log_every, tracker=tracker, data_iterator=prompts,
-                         learning_rate=optimizer.learning_rate_schedule())
-        state = loop.resume(state)
-        with mesh_scope(mesh):
-            state = loop.run(state, total, step_fn, updates_per_step=updates)
-        report = evaluate(gathered(state.model), setup, cfg.eval, key=eval_key, title="student after GRPO")
-        tracker.log({f"eval/{k}": v for k, v in report["evaluation"].items()}, step=total)
-        tracker.log_table("eval/samples", ["prompt", "answer", "completion", "reward"],
-                          [list(s.values()) for s in report["samples"]], step=total)
-        tracker.summary(report["evaluation"])
-    return StageResult(stage=stage, role="student", checkpoint_dir=str(loop.directory), step=int(state.step),
-                       identity=identity.to_json(), history=loop.history, evaluation=report["evaluation"],
-                       samples=report["samples"], trace_png=report["trace_png"],
-                       curves_png=curves_png(loop.history, GRPO_CURVES, title="GRPO"),
-                       wandb_run_dir=str(tracker.run_dir))
+    return run_stage(setup, context, stage=stage, role="student", state=state, total=total, step_fn=step_fn,
+                     identity=identity, optimizer=optimizer, data_iterator=prompts, mesh=mesh, eval_key=eval_key,
+                     curves=GRPO_CURVES, title="GRPO", updates_per_step=updates)

@@ -16,10 +16,9 @@ from bd_models import ModelConfig
 from ._evaluate import evaluate
 from ._optim import make_optimizer
 from ._pipeline_config import pipeline_config
-from ._plots import curves_png
 from ._sft import sft_objective
-from ._stage_run import (StageLoop, fresh_state, gathered, mesh_scope, on_mesh, open_tracker, restore_model,
-                         saved_identity, training_mesh)
+from ._stage_report import run_stage
+from ._stage_run import fresh_state, on_mesh, restore_model, saved_identity, training_mesh
 from ._stage_setup import ROLES, SHARED_IDENTITY_KEYS, PipelineContext, Setup, StageError, StageResult
 from ._trainer import Trainer, TrainerConfig
 
@@ -51,30 +50,14 @@ def _train(setup: Setup, context: PipelineContext, role: str) -> StageResult:
     trainer = Trainer(sft_objective, make_optimizer(optimizer), TrainerConfig(microbatches=cfg.sft.microbatches))
     data = iterate(sft_dataset(setup.source("train"), tok, cfg.canvas, cfg.sft.corruption,
                                seed=cfg.run.seed + ROLES.index(role), batch_size=cfg.sft.batch_size))
-    with open_tracker(setup, context, stage) as tracker:
-        loop = StageLoop(name=stage, directory=context.checkpoint_dir(stage), fingerprints={"identity": identity},
-                         config=cfg.to_dict(), every=cfg.run.checkpoint_every, max_to_keep=cfg.run.max_to_keep,
-                         log_every=cfg.run.log_every, tracker=tracker, data_iterator=data,
-                         learning_rate=optimizer.learning_rate_schedule())
+    def step_fn(state, step):
+        batch = next(data)
+        state, metrics = trainer.step(state, on_mesh(batch, mesh))
+        return state, dict(metrics, tokens=float(batch.denom_weights.sum()))
 
-        def step_fn(state, step):
-            batch = next(data)
-            state, metrics = trainer.step(state, on_mesh(batch, mesh))
-            return state, dict(metrics, tokens=float(batch.denom_weights.sum()))
-
-        state = loop.resume(state)
-        with mesh_scope(mesh):
-            state = loop.run(state, steps, step_fn)
-        report = evaluate(gathered(state.model), setup, cfg.eval, key=eval_key, title=f"{role} after SFT")
-        tracker.log({f"eval/{k}": v for k, v in report["evaluation"].items()}, step=steps)
-        tracker.log_table("eval/samples", ["prompt", "answer", "completion", "reward"],
-                          [list(s.values()) for s in report["samples"]], step=steps)
-        tracker.summary(report["evaluation"])
-    return StageResult(stage=stage, role=role, checkpoint_dir=str(loop.directory), step=int(state.step),
-                       identity=identity.to_json(), history=loop.history, evaluation=report["evaluation"],
-                       samples=report["samples"], trace_png=report["trace_png"],
-                       curves_png=curves_png(loop.history, SFT_CURVES, title=f"SFT {role}"),
-                       wandb_run_dir=str(tracker.run_dir))
+    return run_stage(setup, context, stage=stage, role=role, state=state, total=steps, step_fn=step_fn,
+                     identity=identity, optimizer=optimizer, data_iterator=data, mesh=mesh, eval_key=eval_key,
+                     curves=SFT_CURVES, title="SFT")
 
 
 def _adopt(setup: Setup, context: PipelineContext, role: str) -> StageResult:
