@@ -51,7 +51,8 @@ class BDParallel(FlowSpec):
 
         mesh = self.config.mesh
         devices_per_node = mesh.data * mesh.fsdp * mesh.model // mesh.num_nodes
-        group = initialize(ProcessGroup.from_metaflow(), cpu_devices=devices_per_node, timeout_s=120)
+        group = ProcessGroup.from_metaflow(current.parallel, run_id=str(current.run_id))
+        group = initialize(group, cpu_devices=devices_per_node, timeout_s=120)
         import jax
 
         self.node_index, self.devices = group.process_id, (jax.process_count(), jax.device_count())

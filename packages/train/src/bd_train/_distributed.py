@@ -55,14 +55,11 @@ class ProcessGroup:
         return cls(environ[COORDINATOR_ENV], _int(environ, NUM_PROCESSES_ENV), _int(environ, PROCESS_ID_ENV))
 
     @classmethod
-    def from_metaflow(cls, parallel=None, *, run_id: str = "", port: int | None = None) -> ProcessGroup:
-        """From `current.parallel` inside a Metaflow `@parallel` step: the control node (index 0)
-        coordinates at `main_ip`; the port is `port`, else `BDLM_COORDINATOR_PORT`, else one
-        every node derives from the run and the control task's id."""
-        if parallel is None:
-            from metaflow import current
-
-            parallel, run_id = current.parallel, str(current.run_id)
+    def from_metaflow(cls, parallel, *, run_id: str = "", port: int | None = None) -> ProcessGroup:
+        """From `current.parallel` (pass it, with `current.run_id`) inside a Metaflow `@parallel`
+        step: the control node (index 0) coordinates at `main_ip`; the port is `port`, else
+        `BDLM_COORDINATOR_PORT`, else one every node derives from the run and the control task's
+        id. (bd_train does not import Metaflow; the flow hands over its `current`.)"""
         if parallel.num_nodes == 1:
             return cls.single()
         if port is None:
