@@ -113,4 +113,7 @@ class ModelConfig:
                          if f.default is dataclasses.MISSING and f.name not in data)
         if missing:
             raise ConfigError(f"ModelConfig: missing required field(s) {missing}")
-        return cls(**dict(data))
+        # JSON (and canonical fingerprints) write 10000.0 as 10000: float fields take ints back.
+        floats = {"rope_theta", "norm_eps"}
+        return cls(**{k: float(v) if k in floats and isinstance(v, int) and not isinstance(v, bool) else v
+                      for k, v in data.items()})

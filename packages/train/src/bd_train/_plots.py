@@ -29,7 +29,7 @@ def _png(plt, fig) -> bytes:
     return buffer.getvalue()
 
 
-def curves_png(history: Sequence[Mapping[str, float]], keys: Sequence[str], *, title: str) -> bytes | None:
+def curves_png(history: Sequence[Mapping[str, float | int]], keys: Sequence[str], *, title: str) -> bytes | None:
     """One panel per metric key found in `history` (a list of {"step": s, key: value, ...})."""
     keys = [k for k in keys if any(k in row for row in history)]
     if not keys:

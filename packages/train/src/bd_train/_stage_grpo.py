@@ -55,7 +55,9 @@ def run_grpo(config: Any, context: PipelineContext, *, start: StageResult) -> St
     key = jax.random.fold_in(jax.random.key(cfg.run.seed), 3)
     train_key, rollout_key, eval_key = jax.random.split(key, 3)
     mesh = training_mesh(setup, setup.model_config("student"), section.prompts_per_step * group)
-    state = trainer.init(model if mesh is None else shard_model(model, mesh), key=train_key)
+    if mesh is not None:
+        model = reference = shard_model(model, mesh)
+    state = trainer.init(model, key=train_key)
     prompts = iterate(prompt_dataset(setup.source("train"), tok, cfg.canvas, seed=cfg.run.seed + 3,
                                      batch_size=section.prompts_per_step))
 

@@ -43,8 +43,9 @@ def run_opd(config: Any, context: PipelineContext, *, teacher: StageResult, stud
     context.enable_compilation_cache()
     cfg, tok = setup.config, setup.tokenizer
     section, stage = cfg.opd, "opd"
-    teacher_model = restore_model(teacher.checkpoint_dir, ModelConfig.from_dict(teacher.fingerprint.fields["architecture"]),
-                                  teacher.fingerprint, what="teacher checkpoint")
+    teacher_config = ModelConfig.from_dict(teacher.fingerprint.fields["architecture"])
+    teacher_model = restore_model(teacher.checkpoint_dir, teacher_config, teacher.fingerprint,
+                                  what="teacher checkpoint")
     identity = setup.identity("student")
     student_model = restore_model(student.checkpoint_dir, setup.model_config("student"), identity,
                                   what="student SFT checkpoint")
@@ -58,6 +59,9 @@ def run_opd(config: Any, context: PipelineContext, *, teacher: StageResult, stud
     train_key, rollout_key, eval_key = jax.random.split(key, 3)
     mesh = training_mesh(setup, setup.model_config("student"), section.prompts_per_step)
     state = trainer.init(student_model if mesh is None else shard_model(student_model, mesh), key=train_key)
+    if mesh is not None:  # the frozen teacher scores the replay on the same mesh
+        training_mesh(setup, teacher_config, section.prompts_per_step)
+        teacher_model = shard_model(teacher_model, mesh)
     prompts = iterate(prompt_dataset(setup.source("train"), tok, cfg.canvas, seed=cfg.run.seed + 2,
                                      batch_size=section.prompts_per_step))
 

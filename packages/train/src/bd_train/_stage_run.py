@@ -125,7 +125,7 @@ class StageLoop:
         self.learning_rate = learning_rate
         self.every, self.log_every, self.tracker, self.data_iterator = every, log_every, tracker, data_iterator
         self.checkpoints = open_checkpoints(directory, create=True, max_to_keep=max_to_keep)
-        self.history: list[dict[str, float]] = []
+        self.history: list[dict[str, float | int]] = []
 
     def resume(self, state: TrainState) -> TrainState:
         """The latest saved state of this stage (a restarted or resumed run), else `state`."""

@@ -73,7 +73,7 @@ class StageResult:
     checkpoint_dir: str
     step: int
     identity: dict[str, Any]
-    history: list[dict[str, float]]
+    history: list[dict[str, float | int]]
     evaluation: dict[str, float]
     samples: list[dict[str, Any]]
     trace_png: bytes | None = None
