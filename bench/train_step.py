@@ -38,8 +38,10 @@ def median_time(fn, *args, steps: int) -> tuple[float, tuple]:
     return statistics.median(times), args
 
 
-def matmul_peak(n: int = 2048, steps: int = 10) -> float:
-    """Float32 matmul FLOP/s: the denominator of MFU on this machine."""
+def matmul_peak(n: int = 2048, steps: int = 10) -> tuple[float, float]:
+    """Float32 matmul FLOP/s of a 2048² product: (best run, median run). The best is the MFU
+    denominator (on this 2-core AVX2 machine it reaches the FMA peak); the median is reported too,
+    since sustained throughput on a shared VM sits well below it."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
     mm = jax.jit(lambda a, b: (a @ b, b))
@@ -49,7 +51,7 @@ def matmul_peak(n: int = 2048, steps: int = 10) -> float:
         start = time.perf_counter()
         jax.block_until_ready(mm(a, b))
         times.append(time.perf_counter() - start)
-    return 2 * n**3 / min(times)
+    return 2 * n**3 / min(times), 2 * n**3 / float(np.median(times))
 
 
 def sft_batch(config: ModelConfig, batch: int, canvas: int, *, seed: int = 0):
@@ -106,8 +108,10 @@ def write_markdown(results: dict[str, float], lengths) -> None:
         f"| step time | {results['step_s']:.3f} s |",
         f"| target tokens / s | {results['target_tokens_per_s']:,.0f} |",
         f"| useful FLOP/s | {results['useful_gflops']:.1f} GFLOP/s |",
-        f"| float32 matmul peak (2048², this process) | {results['peak_gflops']:.1f} GFLOP/s |",
-        f"| **MFU** (of the measured peak) | **{results['mfu']:.1%}** |",
+        f"| float32 matmul peak (2048², best of 10, this process) | {results['peak_gflops']:.1f} GFLOP/s |",
+        f"| **MFU** (of the best-run peak) | **{results['mfu']:.1%}** |",
+        f"| float32 matmul, median of the same 10 runs | {results['median_matmul_gflops']:.1f} GFLOP/s |",
+        f"| MFU of the median matmul throughput | {results['mfu_vs_median_matmul']:.1%} |",
         "",
         f"Attention sweep ({TOKENS_PER_STEP} packed tokens per step: batch = {TOKENS_PER_STEP} / T; temp = compiled "
         f"`memory_analysis()` temp bytes of the jitted step):",
@@ -124,12 +128,13 @@ def write_markdown(results: dict[str, float], lengths) -> None:
 
 
 def main() -> None:
-    peak = matmul_peak()
-    results: dict[str, float] = {"peak_gflops": peak / 1e9}
+    peak, median = matmul_peak()
+    results: dict[str, float] = {"peak_gflops": peak / 1e9, "median_matmul_gflops": median / 1e9}
     head = run(HEADLINE, 512, steps=10)
     results.update(step_s=head["step_s"], target_tokens_per_s=head["target_tokens"] / head["step_s"],
                    useful_gflops=head["train_flops"] / head["step_s"] / 1e9,
-                   mfu=head["train_flops"] / head["step_s"] / peak)
+                   mfu=head["train_flops"] / head["step_s"] / peak,
+                   mfu_vs_median_matmul=head["train_flops"] / head["step_s"] / median)
     print(f"headline: {head['step_s']:.3f} s/step, MFU {results['mfu']:.1%} of {peak / 1e9:.1f} GFLOP/s")
     lengths = (512, 2048, 4096)
     for t in lengths:
