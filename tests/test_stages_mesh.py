@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from bd_train.stages import PipelineContext, parse_pipeline_config, run_grpo, run_opd, run_sft
+from bd_train.stages import (PipelineContext, StageError, StageResult, parse_pipeline_config, run_grpo, run_opd,
+                             run_sft)
 
 SMOKE = Path(__file__).resolve().parents[1] / "flows" / "configs" / "smoke.toml"
 
@@ -50,3 +51,14 @@ def test_opd_and_grpo_run_sharded_with_exact_replay(stages):
     for row in grpo.history:
         assert abs(row["ratio_first_update"] - 1.0) <= 1e-5 and row["clip_fraction_first_update"] == 0.0
     assert 0.0 <= grpo.evaluation["accuracy"] <= 1.0 and grpo.evaluation["n"] == 16
+
+
+def test_rollout_stages_refuse_to_start_across_processes(monkeypatch, tmp_path):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    context = PipelineContext(run_id="x", flow_name="BDPipeline", run_dir=str(tmp_path))
+    result = StageResult(stage="sft-student", role="student", checkpoint_dir=str(tmp_path), step=0, identity={},
+                         history=[], evaluation={}, samples=[])
+    with pytest.raises(StageError, match=r"OPD: runs in one process for now \(2 joined\)"):
+        run_opd(config("data = 1"), context, teacher=result, student=result)
+    with pytest.raises(StageError, match=r"GRPO: runs in one process for now \(2 joined\)"):
+        run_grpo(config("data = 1"), context, start=result)

@@ -21,7 +21,7 @@ from ._replay import build_replay
 from ._scoring import token_logprobs
 from ._stage_opd import replay_capacity
 from ._stage_report import run_stage
-from ._stage_run import gathered, on_mesh, restore_model, training_mesh
+from ._stage_run import gathered, on_mesh, restore_model, single_process_rollouts, training_mesh
 from ._stage_setup import PipelineContext, Setup, StageResult
 from ._trainer import Trainer
 
@@ -34,6 +34,7 @@ def _reference_logprobs(model, batch, distribution):
 
 
 def run_grpo(config: Any, context: PipelineContext, *, start: StageResult) -> StageResult:
+    single_process_rollouts("GRPO")
     setup = Setup(pipeline_config(config))
     context.enable_compilation_cache()
     cfg, tok = setup.config, setup.tokenizer

@@ -21,7 +21,7 @@ from ._optim import make_optimizer
 from ._pipeline_config import pipeline_config
 from ._replay import build_replay
 from ._stage_report import run_stage
-from ._stage_run import gathered, on_mesh, restore_model, training_mesh
+from ._stage_run import gathered, on_mesh, restore_model, single_process_rollouts, training_mesh
 from ._stage_setup import PipelineContext, Setup, StageResult
 from ._trainer import Trainer
 
@@ -39,6 +39,7 @@ def replay_capacity(sampler) -> int:
 
 
 def run_opd(config: Any, context: PipelineContext, *, teacher: StageResult, student: StageResult) -> StageResult:
+    single_process_rollouts("OPD")
     setup = Setup(pipeline_config(config))
     context.enable_compilation_cache()
     cfg, tok = setup.config, setup.tokenizer

@@ -62,6 +62,15 @@ def training_mesh(setup: Setup, model_config: ModelConfig, batch_size: int) -> j
     return mesh
 
 
+def single_process_rollouts(stage: str) -> None:
+    """Rollout stages run on one process (any mesh of its local devices): each process would sample
+    its own rollouts, and the teacher and reference scoring would need them assembled into global
+    arrays first, which is not built yet. Refuse rather than score mismatched data."""
+    if jax.process_count() > 1:
+        raise StageError(f"{stage}: runs in one process for now ({jax.process_count()} joined); use one host "
+                         f"with [mesh] num_nodes = 1 (its local devices can still form the mesh)")
+
+
 def on_mesh(batch: Any, mesh: jax.sharding.Mesh | None) -> Any:
     """A training batch placed over the mesh's data axes (unchanged without a mesh)."""
     return batch if mesh is None else shard_batch(batch, mesh)
