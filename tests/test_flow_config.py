@@ -37,6 +37,7 @@ def test_presets_are_valid(preset):
         ("[teacher]\nd_model = 'big'\n", "teacher.d_model: expected an integer, got 'big'"),
         ("[sft\n", "not valid TOML"),
         ("[canvas]\npolicy = 'contiguous'\n", "canvas.policy: the pipeline's rollouts"),
+        ("[teacher]\ncheckpoint = 'no/such/folder'\n", "teacher.checkpoint: folder 'no/such/folder' does not exist"),
     ],
 )
 def test_config_errors_name_the_key(text, message):

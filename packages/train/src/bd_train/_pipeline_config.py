@@ -77,6 +77,11 @@ class ModelSection:
     remat: Literal["none", "full", "save_matmuls"] = "none"  # what the backward pass recomputes per layer
     checkpoint: str | None = None  # start from this SFT checkpoint folder instead of training
 
+    def __post_init__(self):
+        if self.checkpoint is not None and not Path(self.checkpoint).is_dir():
+            raise ConfigError(f"checkpoint: folder {self.checkpoint!r} does not exist; give the checkpoint folder of "
+                              f"an SFT stage (runs/pipeline/<run-id>/checkpoints/sft-<role>) or remove the key")
+
     def model_kwargs(self) -> dict[str, Any]:
         return dict(d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
                     n_kv_heads=self.n_kv_heads or self.n_heads, d_ff=self.d_ff or 4 * self.d_model,
