@@ -248,8 +248,8 @@ def main() -> None:
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {list(SETTINGS)}")
     parser.add_argument("--seed", type=int, default=0, help="seed of every task's run (model init, data order, "
                         "corruption)")
-    parser.add_argument("--confirm-seeds", default="", help="comma-separated extra seeds, run on the first task "
-                        "only (default: none)")
+    parser.add_argument("--confirm-seeds", default="1,2", help="comma-separated extra seeds, run on the first task "
+                        "only (default: 1,2; empty for none)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave the JSON and BENCHMARKS.md alone")
     parser.add_argument("--render", action="store_true",
                         help="train nothing: rewrite the BENCHMARKS.md section from bench/results/sft_weighting.json")
