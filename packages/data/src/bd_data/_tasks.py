@@ -184,7 +184,7 @@ class AdditionLSDTask(AdditionTask):
 
 TASKS: dict[str, type[Task]] = {t.name: t for t in (SortTask, ArgsortTask, AdditionTask, AdditionLSDTask)}
 # Measured (BENCHMARKS.md, bench/sft_weighting.py): 6-digit sort saturates at 100% within 300
-# steps, leaving nothing for distillation or GRPO; 6-digit argsort separates a 0.3M teacher from
+# steps, leaving nothing for distillation or GRPO; 6-digit argsort separates a 0.47M teacher from
 # an 86k student and keeps rising, so it is the pipeline's task. Plain addition is far too slow.
 DEFAULT_TASK = "argsort"
 
