@@ -38,6 +38,7 @@ def test_presets_are_valid(preset):
         ("[sft\n", "not valid TOML"),
         ("[canvas]\npolicy = 'contiguous'\n", "canvas.policy: the pipeline's rollouts"),
         ("[teacher]\ncheckpoint = 'no/such/folder'\n", "teacher.checkpoint: folder 'no/such/folder' does not exist"),
+        ("[opd]\nhard_ce_weight = 0.5\n", "opd.hard_ce_weight: hard CE needs a target at each distilled position"),
     ],
 )
 def test_config_errors_name_the_key(text, message):

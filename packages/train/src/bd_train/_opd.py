@@ -41,6 +41,9 @@ class OPDConfig:
             raise ValueError(f"OPDConfig.positions: unknown value {self.positions!r}; use 'committed' or 'masked'")
         if self.positions == "masked" and self.mask_id is None:
             raise ValueError("OPDConfig.mask_id: positions='masked' needs the tokenizer's mask_id")
+        if self.positions == "masked" and self.hard_ce_weight > 0:
+            raise ValueError("OPDConfig.hard_ce_weight: hard CE needs targets at every distilled position, and a "
+                             "replay batch has them only where tokens were committed; use positions='committed'")
 
 
 def opd_loss(student_logits: Float[Array, "B T V"], teacher_logits: Float[Array, "B T V"],

@@ -175,6 +175,10 @@ class OPDSection:
     def __post_init__(self):
         _positive(steps=self.steps, prompts_per_step=self.prompts_per_step, kl_temperature=self.kl_temperature)
         _nonneg(hard_ce_weight=self.hard_ce_weight)
+        if self.hard_ce_weight > 0 and self.positions != "committed":
+            raise ConfigError("hard_ce_weight: hard CE needs a target at each distilled position, and a replayed "
+                              "view knows only the tokens committed in it; set positions = 'committed' or "
+                              "hard_ce_weight = 0")
 
 
 @dataclasses.dataclass(frozen=True)
