@@ -9,17 +9,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 from bd_data import prompt_dataset
-from bd_models import sample
+from bd_models import decode_completions, sample
 
 from ._pipeline_config import EvalSection
 from ._plots import trace_png
 from ._stage_setup import Setup, trace_text
-
-
-def completion_texts(tokenizer, completion_tokens: np.ndarray, completion_valid: np.ndarray) -> list[str]:
-    """Generated text per row: valid tokens up to the first stop id (eos), the rest dropped."""
-    return [tokenizer.decode(row[valid].tolist(), stop_at_eos=True)
-            for row, valid in zip(np.asarray(completion_tokens), np.asarray(completion_valid))]
 
 
 def evaluate(model, setup: Setup, section: EvalSection, *, key: jax.Array, title: str = "") -> dict:
@@ -42,9 +36,8 @@ def evaluate(model, setup: Setup, section: EvalSection, *, key: jax.Array, title
             tokens = np.concatenate([tokens, np.repeat(tokens[:1], fill, 0)])
             valid = np.concatenate([valid, np.repeat(valid[:1], fill, 0)])
         rollout = sample(model, (tokens, valid), sampler, key=jax.random.fold_in(key, i))
-        completion = np.asarray(rollout.completion_tokens)[:rows]
         completion_valid = np.asarray(rollout.completion_valid)[:rows]
-        texts = completion_texts(tok, completion, completion_valid)
+        texts = decode_completions(tok, rollout, stop_ids=sampler.stop_ids)[:rows]
         for example, text in zip(batch.examples, texts):
             reward = setup.reward(example, text)
             rewards.append(reward)

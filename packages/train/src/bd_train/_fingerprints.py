@@ -31,11 +31,13 @@ def as_plain_dict(config: Any, what: str) -> dict[str, Any]:
 
 
 def model_identity(architecture: Any, *, tokenizer: Any, vocab_size: int, mask_id: int, block_size: int,
-                   canvas_policy: str = "block_aligned", alignment: str = "target") -> Fingerprint:
+                   canvas_policy: str = "block_aligned", alignment: str = "target",
+                   extra: Mapping[str, Any] | None = None) -> Fingerprint:
     """What makes two checkpoints the same model: its architecture (e.g. `ModelConfig`), the
     tokenizer's identity (a name or a dict of its defining values), vocabulary and special ids,
-    block size, canvas policy and target alignment."""
+    block size, canvas policy and target alignment, plus any `extra` fields a caller pins."""
     return fingerprint({
+        **(extra or {}),
         "architecture": as_plain_dict(architecture, "model_identity(architecture=...)"),
         "tokenizer": tokenizer if isinstance(tokenizer, (str, int, type(None))) else as_plain_dict(
             tokenizer, "model_identity(tokenizer=...)"),

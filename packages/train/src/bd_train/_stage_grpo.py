@@ -88,4 +88,5 @@ def run_grpo(config: Any, context: PipelineContext, *, start: StageResult) -> St
 
     return run_stage(setup, context, stage=stage, role="student", state=state, total=total, step_fn=step_fn,
                      identity=identity, optimizer=optimizer, data_iterator=prompts, mesh=mesh, eval_key=eval_key,
-                     curves=GRPO_CURVES, title="GRPO", updates_per_step=updates)
+                     curves=GRPO_CURVES, title="GRPO", updates_per_step=updates,
+                     fingerprints={"rollout": setup.rollout_semantics(section.sampler)})

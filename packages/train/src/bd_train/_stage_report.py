@@ -3,7 +3,7 @@ then the held-out evaluation logged to W&B and packed into the stage's small `St
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -20,11 +20,13 @@ from ._trainer import TrainState
 def run_stage(setup: Setup, context: PipelineContext, *, stage: str, role: str, state: TrainState, total: int,
               step_fn: Callable[[TrainState, int], tuple[TrainState, dict]], identity: Fingerprint,
               optimizer: OptimizerConfig, data_iterator: Any, mesh: Any, eval_key: jax.Array,
-              curves: Sequence[str], title: str, updates_per_step: int = 1) -> StageResult:
-    """Resume from the stage's latest checkpoint, train to `total` updates, evaluate, report."""
+              curves: Sequence[str], title: str, updates_per_step: int = 1,
+              fingerprints: Mapping[str, Fingerprint] | None = None) -> StageResult:
+    """Resume from the stage's latest checkpoint, train to `total` updates, evaluate, report.
+    Checkpoints pin `identity` and any further `fingerprints` (e.g. GRPO's rollout semantics)."""
     cfg = setup.config
     with open_tracker(setup, context, stage) as tracker:
-        loop = StageLoop(name=stage, directory=context.checkpoint_dir(stage), fingerprints={"identity": identity},
+        loop = StageLoop(name=stage, directory=context.checkpoint_dir(stage), fingerprints={"identity": identity, **(fingerprints or {})},
                          config=cfg.to_dict(), every=cfg.run.checkpoint_every, max_to_keep=cfg.run.max_to_keep,
                          log_every=cfg.run.log_every, tracker=tracker, data_iterator=data_iterator,
                          learning_rate=optimizer.learning_rate_schedule())

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from bd_core import TRACE_VERSION, Fingerprint, FingerprintMismatch, fingerprint, require_compatible
+from bd_core import Fingerprint, FingerprintMismatch, require_compatible
 from bd_data import ByteTokenizer, Example, HFTokenizer, get_task, load_jsonl
-from bd_models import ModelConfig
-from bd_models import SamplerConfig
+from bd_models import ModelConfig, SamplerConfig
 
+from ._fingerprints import model_identity, rollout_semantics
 from ._pipeline_config import OptimSection, PipelineConfig, SamplerSection, pipeline_config
 
 ROLES = ("teacher", "student")
@@ -137,19 +137,18 @@ class Setup:
                                weight_decay=section.weight_decay, max_grad_norm=section.clip_norm)
 
     def identity(self, role: str) -> Fingerprint:
-        """Model identity: architecture, tokenizer, special ids, block size, canvas, alignment."""
+        """Model identity: architecture (without how it is computed), tokenizer, special ids, block
+        size, canvas and alignment."""
         tok, canvas = self.tokenizer, self.config.canvas
-        return fingerprint({
-            "architecture": self.model_config(role).to_dict(),
-            "tokenizer": tok.identity, "vocab_size": tok.vocab_size, "mask_id": tok.mask_id,
-            "pad_id": tok.pad_id, "eos_id": tok.eos_id, "block_size": canvas.block_size,
-            "canvas_policy": canvas.policy, "prompt_len": canvas.prompt_len,
-            "max_new_tokens": canvas.max_new_tokens, "alignment": "target",
-        })
+        architecture = {k: v for k, v in self.model_config(role).to_dict().items() if k not in EXECUTION_FIELDS}
+        return model_identity(architecture, tokenizer=tok.identity, vocab_size=tok.vocab_size, mask_id=tok.mask_id,
+                              block_size=canvas.block_size, canvas_policy=canvas.policy, alignment="target",
+                              extra={"pad_id": tok.pad_id, "eos_id": tok.eos_id, "prompt_len": canvas.prompt_len,
+                                     "max_new_tokens": canvas.max_new_tokens})
 
     def rollout_semantics(self, section: SamplerSection) -> Fingerprint:
-        sampler = self.sampler_config(section)
-        return fingerprint({**sampler.to_dict(), "trace_version": TRACE_VERSION})
+        """What recorded traces mean: GRPO refuses to continue from traces sampled otherwise."""
+        return rollout_semantics(self.sampler_config(section), prompt_len=self.config.canvas.prompt_len)
 
 
 def check_distillation_pair(teacher: StageResult, student: StageResult) -> None:
