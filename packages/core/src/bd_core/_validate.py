@@ -14,8 +14,10 @@ class ContractError(ValueError):
 
 
 def is_concrete(*values: Any) -> bool:
-    """True when every array has a value (not a tracer), so value checks can run."""
-    return not any(isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(values))
+    """True when every array's value can be read here, so value checks can run: not a tracer, and
+    not a global array with shards on other processes (its shapes and dtypes are still checked)."""
+    return not any(isinstance(v, jax.core.Tracer) or (isinstance(v, jax.Array) and not v.is_fully_addressable)
+                   for v in jax.tree_util.tree_leaves(values))
 
 
 def dtype_of(value: Any) -> np.dtype:

@@ -34,5 +34,6 @@ from ._sharding import make_mesh as make_mesh
 from ._sharding import param_partition_specs as param_partition_specs
 from ._sharding import shard_batch as shard_batch
 from ._sharding import shard_model as shard_model
+from ._sharding import to_host as to_host
 
 __version__ = "0.1.0"

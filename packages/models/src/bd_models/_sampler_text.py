@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
-import numpy as np
-
 from bd_core import RolloutOutput
+
+from ._sharding import to_host
 
 
 @runtime_checkable
@@ -16,9 +16,10 @@ class Decoder(Protocol):
 
 
 def completion_ids(rollout: RolloutOutput, *, stop_ids: Iterable[int] = ()) -> list[list[int]]:
-    """Per row, the generated token ids up to (not including) the first stop id."""
+    """Per row, the generated token ids up to (not including) the first stop id. A rollout sampled
+    on a mesh that spans processes is gathered first, so every process decodes every row."""
     stops = set(int(s) for s in stop_ids)
-    tokens, valid = np.asarray(rollout.completion_tokens), np.asarray(rollout.completion_valid)
+    tokens, valid = to_host((rollout.completion_tokens, rollout.completion_valid))
     rows = []
     for row_tokens, row_valid in zip(tokens, valid):
         ids = []

@@ -86,8 +86,9 @@ def param_partition_specs(model, mesh: Mesh | None = None):
 
 
 def _place(x, sharding: NamedSharding, global_shape: tuple[int, ...]):
-    # One process: a plain transfer. Several: every process passes host data and keeps its shards.
-    if jax.process_count() == 1:
+    # One process, or an array already spread over the processes (a rollout sampled on the mesh):
+    # a plain transfer. Otherwise every process passes host data and keeps its shards.
+    if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
         return jax.device_put(x, sharding)
     return jax.make_array_from_process_local_data(sharding, np.asarray(x), global_shape)
 
@@ -111,6 +112,7 @@ def shard_batch(batch, mesh: Mesh, *, process_local: bool = False):
     With several processes, each passes either the same global batch (the default: every process
     reads the same deterministic stream and keeps its rows) or, with `process_local=True`, only
     its own rows (a data pipeline sharded by process), which are concatenated in process order.
+    Arrays that already span the processes (computed on the mesh) are resharded as they are.
     """
     n = mesh.shape["data"] * mesh.shape["fsdp"]
     scale = jax.process_count() if process_local else 1
@@ -118,10 +120,25 @@ def shard_batch(batch, mesh: Mesh, *, process_local: bool = False):
     def put(x):
         if np.ndim(x) == 0:
             return _place(x, NamedSharding(mesh, P()), ())
-        shape = (np.shape(x)[0] * scale, *np.shape(x)[1:])
+        spread = isinstance(x, jax.Array) and not x.is_fully_addressable
+        shape = (np.shape(x)[0] * (1 if spread else scale), *np.shape(x)[1:])
         if shape[0] % n:
             raise MeshError(f"shard_batch: batch size {shape[0]} does not divide the data-parallel axes "
                             f"data*fsdp = {n}; use a batch size that is a multiple of {n}")
         return _place(x, batch_sharding(mesh), shape)
 
     return jax.tree.map(put, batch)
+
+
+def to_host(tree):
+    """Every array of `tree` whole, as numpy, on every process: arrays that span processes are
+    gathered (a collective: every process must call it), the rest are read locally."""
+
+    def get(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(get, tree)

@@ -1,6 +1,9 @@
 """Stage 3: GRPO on the task's verifiable reward. Each step samples G completions per prompt with
 an exact trace, scores them, and takes `updates_per_rollout` clipped-ratio updates on the packed
 replay; the recorded log-probs are the old policy, so the first update's ratio is exactly 1.
+
+On a mesh, rollouts are sampled with the rows split over the data axes (across processes too);
+only the completions are gathered, so that every process scores every row's reward the same way.
 """
 
 from __future__ import annotations
@@ -11,8 +14,7 @@ import equinox as eqx
 import jax
 import numpy as np
 from bd_data import iterate, prompt_dataset
-from bd_models import sample, shard_model
-from bd_models import decode_completions
+from bd_models import decode_completions, sample, shard_model, to_host
 
 from ._grpo import GRPOBatch, GRPOConfig, compute_advantages, distribution_score, make_grpo_loss
 from ._optim import make_optimizer
@@ -21,7 +23,7 @@ from ._replay import build_replay
 from ._scoring import token_logprobs
 from ._stage_opd import replay_capacity
 from ._stage_report import run_stage
-from ._stage_run import gathered, on_mesh, restore_model, single_process_rollouts, training_mesh
+from ._stage_run import GLOBAL_BATCH, on_mesh, restore_model, training_mesh
 from ._stage_setup import PipelineContext, Setup, StageResult
 from ._trainer import Trainer
 
@@ -34,7 +36,6 @@ def _reference_logprobs(model, batch, distribution):
 
 
 def run_grpo(config: Any, context: PipelineContext, *, start: StageResult) -> StageResult:
-    single_process_rollouts("GRPO")
     setup = Setup(pipeline_config(config))
     context.enable_compilation_cache()
     cfg, tok = setup.config, setup.tokenizer
@@ -60,12 +61,13 @@ def run_grpo(config: Any, context: PipelineContext, *, start: StageResult) -> St
         model = reference = shard_model(model, mesh)
     state = trainer.init(model, key=train_key)
     prompts = iterate(prompt_dataset(setup.source("train"), tok, cfg.canvas, seed=cfg.run.seed + 3,
-                                     batch_size=section.prompts_per_step))
+                                     batch_size=section.prompts_per_step, **GLOBAL_BATCH))
 
     def step_fn(state, step):
         batch = next(prompts)
         tokens, valid = np.repeat(batch.tokens, group, 0), np.repeat(batch.valid, group, 0)
-        rollout = sample(gathered(state.model), (tokens, valid), sampler, key=jax.random.fold_in(rollout_key, step))
+        rollout = sample(state.model, on_mesh((tokens, valid), mesh), sampler,
+                         key=jax.random.fold_in(rollout_key, step))
         texts = decode_completions(tok, rollout, stop_ids=sampler.stop_ids)
         examples = [example for example in batch.examples for _ in range(group)]
         rewards = np.asarray([setup.reward(e, t) for e, t in zip(examples, texts)], np.float32)
@@ -77,12 +79,13 @@ def run_grpo(config: Any, context: PipelineContext, *, start: StageResult) -> St
         for _ in range(updates):
             state, metrics = trainer.step(state, grpo_batch)
             first = first or metrics
-        generated = np.asarray(rollout.completion_valid).sum()
+        completion_valid, nfe = to_host((rollout.completion_valid, rollout.nfe))
+        generated = completion_valid.sum()
         metrics = dict(metrics, ratio_first_update=first["ratio_mean"], clip_fraction_first_update=first["clip_fraction"],
                        reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
                        accuracy=float(np.mean(rewards == 1.0)),
                        completion_length=float(np.mean([len(t) for t in texts])),
-                       nfe_per_token=float(np.asarray(rollout.nfe).sum() / max(1, generated)),
+                       nfe_per_token=float(nfe.sum() / max(1, generated)),
                        tokens=float(generated))
         return state, metrics
 

@@ -1,7 +1,9 @@
 """Stage 2: on-policy distillation. The student samples with an exact trace; its replayed views
 are scored by the frozen teacher, and the student minimizes forward KL(teacher ‖ student) there.
 
-Both checkpoints are checked against the config's identity before anything trains.
+Both checkpoints are checked against the config's identity before anything trains. On a mesh,
+rollouts are sampled with the prompts split over the data axes (across processes too), and the
+replay and teacher scoring stay on the mesh: nothing is gathered to one host.
 """
 
 from __future__ import annotations
@@ -10,18 +12,16 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import numpy as np
 from bd_core import DistillationBatch
 from bd_data import iterate, prompt_dataset
-from bd_models import ModelConfig
-from bd_models import sample, shard_model
+from bd_models import ModelConfig, sample, shard_model, to_host
 
 from ._opd import OPDConfig, make_opd_loss
 from ._optim import make_optimizer
 from ._pipeline_config import pipeline_config
 from ._replay import build_replay
 from ._stage_report import run_stage
-from ._stage_run import gathered, on_mesh, restore_model, single_process_rollouts, training_mesh
+from ._stage_run import GLOBAL_BATCH, on_mesh, restore_model, training_mesh
 from ._stage_setup import PipelineContext, Setup, StageResult
 from ._trainer import Trainer
 
@@ -39,7 +39,6 @@ def replay_capacity(sampler) -> int:
 
 
 def run_opd(config: Any, context: PipelineContext, *, teacher: StageResult, student: StageResult) -> StageResult:
-    single_process_rollouts("OPD")
     setup = Setup(pipeline_config(config))
     context.enable_compilation_cache()
     cfg, tok = setup.config, setup.tokenizer
@@ -64,16 +63,18 @@ def run_opd(config: Any, context: PipelineContext, *, teacher: StageResult, stud
         training_mesh(setup, teacher_config, section.prompts_per_step)
         teacher_model = shard_model(teacher_model, mesh)
     prompts = iterate(prompt_dataset(setup.source("train"), tok, cfg.canvas, seed=cfg.run.seed + 2,
-                                     batch_size=section.prompts_per_step))
+                                     batch_size=section.prompts_per_step, **GLOBAL_BATCH))
 
     def step_fn(state, step):
         batch = next(prompts)
-        rollout = sample(gathered(state.model), (batch.tokens, batch.valid), sampler, key=jax.random.fold_in(rollout_key, step))
+        rollout = sample(state.model, on_mesh((batch.tokens, batch.valid), mesh), sampler,
+                         key=jax.random.fold_in(rollout_key, step))
         replay = build_replay(rollout, mask_id=tok.mask_id, num_views=views)
         logits = _teacher_logits(teacher_model, replay.batch.layout)
         state, metrics = trainer.step(state, on_mesh(DistillationBatch(replay.batch, logits), mesh))
-        generated = np.asarray(rollout.completion_valid).sum()
-        metrics["nfe_per_token"] = float(np.asarray(rollout.nfe).sum() / max(1, generated))
+        completion_valid, nfe = to_host((rollout.completion_valid, rollout.nfe))
+        generated = completion_valid.sum()
+        metrics["nfe_per_token"] = float(nfe.sum() / max(1, generated))
         metrics["tokens"] = float(generated)
         return state, metrics
 

@@ -62,17 +62,18 @@ def training_mesh(setup: Setup, model_config: ModelConfig, batch_size: int) -> j
     return mesh
 
 
-def single_process_rollouts(stage: str) -> None:
-    """Rollout stages run on one process (any mesh of its local devices): each process would sample
-    its own rollouts, and the teacher and reference scoring would need them assembled into global
-    arrays first, which is not built yet. Refuse rather than score mismatched data."""
-    if jax.process_count() > 1:
-        raise StageError(f"{stage}: runs in one process for now ({jax.process_count()} joined); use one host "
-                         f"with [mesh] num_nodes = 1 (its local devices can still form the mesh)")
+# The stages' data pipelines build the whole global batch on every process (one shard of one): a
+# step's batch then depends on the seed alone, not on how many processes run, and `on_mesh` keeps
+# each process's rows. Tokenizing and masking a batch of task examples costs next to nothing
+# beside a step; a corpus-scale pipeline shards by process and uses
+# `shard_batch(..., process_local=True)` instead.
+GLOBAL_BATCH = {"shard_index": 0, "shard_count": 1}
 
 
 def on_mesh(batch: Any, mesh: jax.sharding.Mesh | None) -> Any:
-    """A training batch placed over the mesh's data axes (unchanged without a mesh)."""
+    """A batch (training data, or prompts to sample from) placed over the mesh's data axes
+    (unchanged without a mesh). Every process passes the same global batch; arrays computed on the
+    mesh (rollouts, replays, teacher logits) are resharded as they are."""
     return batch if mesh is None else shard_batch(batch, mesh)
 
 
@@ -81,7 +82,7 @@ def mesh_scope(mesh: jax.sharding.Mesh | None):
 
 
 def gathered(model: Any) -> Any:
-    """The model whole on this process (for rollouts and evaluation when it spans processes)."""
+    """The model whole on this process (for evaluation, which each process runs on its own)."""
     if jax.process_count() == 1:
         return model
     from jax.experimental import multihost_utils

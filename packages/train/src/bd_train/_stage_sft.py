@@ -18,7 +18,7 @@ from ._optim import make_optimizer
 from ._pipeline_config import pipeline_config
 from ._sft import sft_objective
 from ._stage_report import run_stage
-from ._stage_run import fresh_state, on_mesh, restore_model, saved_identity, training_mesh
+from ._stage_run import GLOBAL_BATCH, fresh_state, on_mesh, restore_model, saved_identity, training_mesh
 from ._stage_setup import ROLES, SHARED_IDENTITY_KEYS, PipelineContext, Setup, StageError, StageResult
 from ._trainer import Trainer, TrainerConfig
 
@@ -49,7 +49,8 @@ def _train(setup: Setup, context: PipelineContext, role: str) -> StageResult:
     optimizer = setup.optimizer_config(cfg.sft.optim, steps)
     trainer = Trainer(sft_objective, make_optimizer(optimizer), TrainerConfig(microbatches=cfg.sft.microbatches))
     data = iterate(sft_dataset(setup.source("train"), tok, cfg.canvas, cfg.sft.corruption,
-                               seed=cfg.run.seed + ROLES.index(role), batch_size=cfg.sft.batch_size))
+                               seed=cfg.run.seed + ROLES.index(role), batch_size=cfg.sft.batch_size,
+                               **GLOBAL_BATCH))
     def step_fn(state, step):
         batch = next(data)
         state, metrics = trainer.step(state, on_mesh(batch, mesh))

@@ -1,0 +1,62 @@
+"""The whole stage chain (teacher and student SFT, OPD, GRPO) on a (data 2, fsdp 2, model 2) mesh
+of the smoke preset: run as one process of a group (`python stages_worker.py <coordinator> <count>
+<id> <dir>`, each process with 8/count CPU devices) or imported by the tests as the single-process
+run on 8 devices. Both write the stages' histories and evaluations to `<dir>/stages-<id>.json`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+SMOKE = Path(__file__).resolve().parents[1] / "flows" / "configs" / "smoke.toml"
+MESH = "data = 2\nfsdp = 2\nmodel = 2"
+
+
+def config(mesh: str = MESH) -> dict:
+    """The smoke preset with SFT long enough (60 steps) that most completions are well formed: GRPO
+    then sees rewards that differ within a group, so its updates carry signal, not float noise."""
+    import tomllib
+
+    from bd_train.stages import parse_pipeline_config
+
+    data = tomllib.loads(SMOKE.read_text() + f"\n[mesh]\n{mesh}\n")
+    data["sft"].update(steps=60, optim={"lr": 1e-2, "warmup_steps": 2})
+    return parse_pipeline_config(data)
+
+
+def run_stages(directory: Path, run_id: str = "mesh") -> dict:
+    """Every stage in `directory` (checkpoints and W&B under its runs/); returns the results."""
+    from bd_train.stages import PipelineContext, run_grpo, run_opd, run_sft
+
+    cwd = os.getcwd()
+    os.chdir(directory)
+    try:
+        sharded = config()
+        context = PipelineContext.create(sharded, run_id=run_id)
+        teacher = run_sft(sharded, context, role="teacher")
+        student = run_sft(sharded, context, role="student")
+        opd = run_opd(sharded, context, teacher=teacher, student=student)
+        grpo = run_grpo(sharded, context, start=opd)
+    finally:
+        os.chdir(cwd)
+    return {"teacher": teacher, "student": student, "opd": opd, "grpo": grpo}
+
+
+def summary(results: dict) -> dict:
+    return {name: {"step": r.step, "history": r.history, "evaluation": r.evaluation, "samples": r.samples}
+            for name, r in results.items()}
+
+
+if __name__ == "__main__":
+    import jax
+
+    from bd_train.distributed import ProcessGroup, initialize, shutdown
+
+    coordinator, count, index, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    initialize(ProcessGroup(coordinator, count, index), cpu_devices=8 // count)
+    assert jax.device_count() == 8 and jax.local_device_count() == 8 // count
+    results = run_stages(out)
+    (out / f"stages-{index}.json").write_text(json.dumps(summary(results)))
+    shutdown()
