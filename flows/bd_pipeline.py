@@ -3,11 +3,17 @@
     python flows/bd_pipeline.py run                                  # the default preset
     python flows/bd_pipeline.py --config config flows/configs/smoke.toml run
     python flows/bd_pipeline.py resume                               # continue a failed run
+    python flows/bd_pipeline.py --config config flows/configs/scale_multihost.toml run --with kubernetes
+
+Every training stage is a `@parallel` step over `[mesh] num_nodes` nodes (one by default): the
+nodes join one JAX process group and run the stage over the global mesh; node 0's result is
+kept. Locally Metaflow starts the extra nodes as processes; on Kubernetes, one pod per node.
 
 Steps are thin: each calls a `bd_train.stages` function and keeps small artifacts (checkpoint
 paths, fingerprints, metric histories, eval tables); the work and its checks live in bd_train.
 """
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -17,8 +23,10 @@ os.environ.setdefault("METAFLOW_USER", os.environ.get("USER") or "bdlm")
 if os.environ["METAFLOW_USER"] == "root":
     os.environ["METAFLOW_USER"] = "bdlm"
 os.environ.setdefault("WANDB_MODE", "offline" if not os.environ.get("WANDB_API_KEY") else "online")
+# Local @parallel starts the extra nodes with `python` from PATH: make that this interpreter.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
-from metaflow import Config, FlowSpec, card, current, step  # noqa: E402
+from metaflow import Config, FlowSpec, card, current, parallel, step  # noqa: E402
 from metaflow.exception import MetaflowException  # noqa: E402
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "default.toml")
@@ -52,6 +60,27 @@ def _stage_call(fn, *args, **kwargs):
         raise StageRefused(str(err)) from None
 
 
+@contextlib.contextmanager
+def process_group(config):
+    """Join this `@parallel` node to the stage's JAX process group (a no-op group for one node),
+    with the mesh's share of devices per node as CPU devices when running on CPUs."""
+    from bd_train.distributed import ProcessGroup, initialize, shutdown
+    from bd_train.stages import pipeline_config
+
+    mesh = pipeline_config(config).mesh
+    group = ProcessGroup.from_metaflow(current.parallel, run_id=str(current.run_id))
+    initialize(group, cpu_devices=mesh.devices // mesh.num_nodes, timeout_s=300)
+    try:
+        yield group
+    finally:
+        shutdown()
+
+
+def node_zero(inputs, name):
+    """The artifact `name` of node 0 of a `@parallel` step (every node holds the same result)."""
+    return next(getattr(node, name) for node in inputs if node.node_index == 0)
+
+
 class BDPipeline(FlowSpec):
     """Teacher and student SFT, then the student distilled on-policy from the teacher, then GRPO."""
 
@@ -66,17 +95,30 @@ class BDPipeline(FlowSpec):
                                               flow_name=current.flow_name)
         print(f"run folder: {self.context.run_dir}")
         self.roles = ["teacher", "student"]
-        self.next(self.sft, foreach="roles")
+        self.next(self.sft_launch, foreach="roles")
+
+    @step
+    def sft_launch(self):
+        self.role = self.input
+        self.next(self.sft, num_parallel=self.config.mesh.num_nodes)
 
     @card(type="blank", id="sft")
+    @parallel
     @step
     def sft(self):
         from bd_cards import stage_card
         from bd_train.stages import run_sft
 
-        self.role = self.input
-        self.result = _stage_call(run_sft, self.config, self.context, role=self.role)
+        with process_group(self.config) as group:
+            self.node_index = group.process_id
+            self.result = _stage_call(run_sft, self.config, self.context, role=self.role)
         stage_card(current.card["sft"], self.result)
+        self.next(self.sft_nodes)
+
+    @step
+    def sft_nodes(self, inputs):
+        self.result = node_zero(inputs, "result")
+        self.merge_artifacts(inputs, exclude=["result", "node_index"])
         self.next(self.join)
 
     @step
@@ -86,27 +128,53 @@ class BDPipeline(FlowSpec):
         self.context = inputs[0].context
         self.sft_results = {inp.role: inp.result for inp in inputs}
         _stage_call(check_distillation_pair, self.sft_results["teacher"], self.sft_results["student"])
-        self.next(self.opd)
+        self.next(self.opd_launch)
+
+    @step
+    def opd_launch(self):
+        self.next(self.opd, num_parallel=self.config.mesh.num_nodes)
 
     @card(type="blank", id="opd")
+    @parallel
     @step
     def opd(self):
         from bd_cards import stage_card
         from bd_train.stages import run_opd
 
-        self.opd_result = _stage_call(run_opd, self.config, self.context,
-                                      teacher=self.sft_results["teacher"], student=self.sft_results["student"])
+        with process_group(self.config) as group:
+            self.node_index = group.process_id
+            self.opd_result = _stage_call(run_opd, self.config, self.context,
+                                          teacher=self.sft_results["teacher"], student=self.sft_results["student"])
         stage_card(current.card["opd"], self.opd_result)
-        self.next(self.grpo)
+        self.next(self.opd_nodes)
+
+    @step
+    def opd_nodes(self, inputs):
+        self.opd_result = node_zero(inputs, "opd_result")
+        self.merge_artifacts(inputs, exclude=["opd_result", "node_index"])
+        self.next(self.grpo_launch)
+
+    @step
+    def grpo_launch(self):
+        self.next(self.grpo, num_parallel=self.config.mesh.num_nodes)
 
     @card(type="blank", id="grpo")
+    @parallel
     @step
     def grpo(self):
         from bd_cards import stage_card
         from bd_train.stages import run_grpo
 
-        self.grpo_result = _stage_call(run_grpo, self.config, self.context, start=self.opd_result)
+        with process_group(self.config) as group:
+            self.node_index = group.process_id
+            self.grpo_result = _stage_call(run_grpo, self.config, self.context, start=self.opd_result)
         stage_card(current.card["grpo"], self.grpo_result)
+        self.next(self.grpo_nodes)
+
+    @step
+    def grpo_nodes(self, inputs):
+        self.grpo_result = node_zero(inputs, "grpo_result")
+        self.merge_artifacts(inputs, exclude=["grpo_result", "node_index"])
         self.next(self.end)
 
     @card(type="blank", id="summary")

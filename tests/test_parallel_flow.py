@@ -1,4 +1,5 @@
-"""The SFT stage as a Metaflow `@parallel` step on 2 local nodes, one JAX process group."""
+"""The whole pipeline with every training stage as a Metaflow `@parallel` step on 2 local nodes:
+each stage's nodes form one JAX process group over a 2-device mesh."""
 
 from pathlib import Path
 
@@ -11,32 +12,47 @@ from bd_train.stages import Setup, parse_pipeline_config
 from bd_train._stage_run import fresh_state
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOW = str(ROOT / "flows" / "bd_parallel.py")
+FLOW = str(ROOT / "flows" / "bd_pipeline.py")
 PRESET = ROOT / "flows" / "configs" / "scale_multihost.toml"
 
 
-def test_sft_runs_across_two_nodes(tmp_path):
+def test_every_stage_runs_across_two_nodes(tmp_path):
     env = {"METAFLOW_USER": "tester", "WANDB_MODE": "offline", "BDLM_PROGRESS": "0", "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": ""}
     with Runner(FLOW, show_output=False, cwd=str(tmp_path), env=env, config=[("config", str(PRESET))]).run(
             max_workers=2) as running:
         assert running.status == "successful", running.stdout[-3000:] + running.stderr[-3000:]
         run = running.run
-    nodes = sorted(run["sft"], key=lambda task: task["node_index"].data)
-    assert [task["node_index"].data for task in nodes] == [0, 1]
-    assert all(task["devices"].data == (2, 2) for task in nodes)  # 2 processes, 1 device each
-    histories = [[row["loss"] for row in task["result"].data.history] for task in nodes]
-    assert histories[0] == histories[1]  # one global computation, reported by both nodes
-
     cfg = parse_pipeline_config(PRESET.read_text())
-    result = run["end"].task["result"].data
-    assert result.step == cfg["sft"]["steps"] and run["end"].task["nodes"].data == 2
+    for name, artifact, steps in [("sft", "result", cfg["sft"]["steps"]), ("opd", "opd_result", cfg["opd"]["steps"]),
+                                  ("grpo", "grpo_result", cfg["grpo"]["steps"] * cfg["grpo"]["updates_per_rollout"])]:
+        tasks = list(run[name])
+        indices = sorted(task["node_index"].data for task in tasks)
+        assert indices == ([0, 0, 1, 1] if name == "sft" else [0, 1]), (name, indices)  # sft: a group per role
+        for role_tasks in _by_group(tasks, name):
+            results = [task[artifact].data for task in sorted(role_tasks, key=lambda t: t["node_index"].data)]
+            assert results[0].step == steps
+            # one global computation: both nodes report the same losses and held-out numbers
+            assert [r["loss"] for r in results[0].history] == [r["loss"] for r in results[1].history]
+            assert results[0].evaluation == results[1].evaluation
+
+    summary = run["end"].task["summary"].data
+    assert list(summary) == ["teacher_sft", "student_sft", "student_opd", "student_grpo"]
+    grpo = run["grpo_nodes"].task["grpo_result"].data
     setup = Setup(cfg)
-    _, target = fresh_state(setup.model_config("student"), setup.optimizer_config(setup.config.sft.optim, 4),
+    _, target = fresh_state(setup.model_config("student"), setup.optimizer_config(setup.config.grpo.optim, 4),
                             key=jax.random.key(0))
-    with Checkpointer(result.checkpoint_dir, create=False) as checkpoints:
+    with Checkpointer(grpo.checkpoint_dir, create=False) as checkpoints:  # saved by both nodes, restored by one
         restored = checkpoints.restore(target)
-    assert int(restored.step) == cfg["sft"]["steps"]
+    assert int(restored.step) == grpo.step
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(restored.params))
-    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored.params),
-                                                         jax.tree.leaves(target.params)))
+
+
+def _by_group(tasks, name):
+    if name != "sft":
+        return [tasks]
+    groups = {}
+    for task in tasks:
+        groups.setdefault(task["role"].data, []).append(task)
+    assert sorted(groups) == ["student", "teacher"]
+    return list(groups.values())
