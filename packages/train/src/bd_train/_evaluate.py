@@ -1,7 +1,9 @@
 """Held-out evaluation: decode every eval prompt with the sampler, score it with the task's reward.
 
 Reports accuracy (reward 1), mean reward, NFE per generated token and completion length, a few
-sample completions, and one row's denoising trace for the card.
+sample completions, and one row's denoising trace for the card. With a mesh, the prompts are split
+over its data axes and the sharded model samples them (every process takes part); completions
+are gathered so that every process scores them all.
 """
 
 from __future__ import annotations
@@ -9,20 +11,23 @@ from __future__ import annotations
 import jax
 import numpy as np
 from bd_data import prompt_dataset
-from bd_models import decode_completions, sample
+from bd_models import decode_completions, sample, shard_batch, to_host
 
 from ._pipeline_config import EvalSection
 from ._plots import trace_png
 from ._stage_setup import Setup, trace_text
 
 
-def evaluate(model, setup: Setup, section: EvalSection, *, key: jax.Array, title: str = "") -> dict:
-    """Greedy (or as configured) decoding of `section.n` held-out prompts in fixed-size batches."""
+def evaluate(model, setup: Setup, section: EvalSection, *, key: jax.Array, title: str = "",
+             mesh: jax.sharding.Mesh | None = None) -> dict:
+    """Greedy (or as configured) decoding of `section.n` held-out prompts in fixed-size batches
+    (rounded up to a multiple of the mesh's data shards; short batches are padded)."""
     cfg, tok = setup.config, setup.tokenizer
     sampler = setup.sampler_config(section.sampler)
     source = setup.source("eval")
     examples = [source[i] for i in range(min(section.n, len(source)))]
-    batch_size = min(section.batch_size, len(examples))
+    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    batch_size = -(-min(section.batch_size, len(examples)) // shards) * shards
     batches = prompt_dataset(examples, tok, cfg.canvas, seed=0, batch_size=batch_size, shard_index=0, shard_count=1,
                              shuffle=False, num_epochs=1, drop_remainder=False)
     rewards, nfe, generated, samples = [], [], [], []
@@ -35,8 +40,9 @@ def evaluate(model, setup: Setup, section: EvalSection, *, key: jax.Array, title
             fill = batch_size - rows
             tokens = np.concatenate([tokens, np.repeat(tokens[:1], fill, 0)])
             valid = np.concatenate([valid, np.repeat(valid[:1], fill, 0)])
-        rollout = sample(model, (tokens, valid), sampler, key=jax.random.fold_in(key, i))
-        completion_valid = np.asarray(rollout.completion_valid)[:rows]
+        prompts = (tokens, valid) if mesh is None else shard_batch((tokens, valid), mesh)
+        rollout = sample(model, prompts, sampler, key=jax.random.fold_in(key, i))
+        completion_valid, row_nfe = (x[:rows] for x in to_host((rollout.completion_valid, rollout.nfe)))
         texts = decode_completions(tok, rollout, stop_ids=sampler.stop_ids)[:rows]
         for example, text in zip(batch.examples, texts):
             reward = setup.reward(example, text)
@@ -44,10 +50,10 @@ def evaluate(model, setup: Setup, section: EvalSection, *, key: jax.Array, title
             if len(samples) < section.samples_shown:
                 samples.append({"prompt": example.prompt, "answer": example.answer, "completion": text,
                                 "reward": reward})
-        nfe.extend(np.asarray(rollout.nfe)[:rows].tolist())
+        nfe.extend(row_nfe.tolist())
         generated.extend(completion_valid.sum(axis=1).tolist())  # rows stop after their stop block
         if first_trace is None:
-            first_trace = jax.tree_util.tree_map(lambda x: np.asarray(x)[0], rollout.trace)
+            first_trace = jax.tree_util.tree_map(lambda x: x[0], to_host(rollout.trace))
     rewards = np.asarray(rewards, np.float64)
     canvas = cfg.canvas
     picture = trace_png(

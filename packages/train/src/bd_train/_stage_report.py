@@ -12,7 +12,7 @@ from bd_core import Fingerprint
 from ._evaluate import evaluate
 from ._optim import OptimizerConfig
 from ._plots import curves_png
-from ._stage_run import StageLoop, gathered, mesh_scope, open_tracker
+from ._stage_run import StageLoop, mesh_scope, open_tracker
 from ._stage_setup import PipelineContext, Setup, StageResult
 from ._trainer import TrainState
 
@@ -33,7 +33,7 @@ def run_stage(setup: Setup, context: PipelineContext, *, stage: str, role: str, 
         state = loop.resume(state)
         with mesh_scope(mesh):
             state = loop.run(state, total, step_fn, updates_per_step=updates_per_step)
-        report = evaluate(gathered(state.model), setup, cfg.eval, key=eval_key, title=f"{role} after {title}")
+            report = evaluate(state.model, setup, cfg.eval, key=eval_key, title=f"{role} after {title}", mesh=mesh)
         tracker.log({f"eval/{k}": v for k, v in report["evaluation"].items()}, step=total)
         tracker.log_table("eval/samples", ["prompt", "answer", "completion", "reward"],
                           [list(s.values()) for s in report["samples"]], step=total)

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from bd_core import Fingerprint, FingerprintMismatch
 from bd_models import BlockDiffusionLM, MeshError, ModelConfig, check_divisibility, make_mesh, shard_batch, shard_model
 
@@ -79,15 +78,6 @@ def on_mesh(batch: Any, mesh: jax.sharding.Mesh | None) -> Any:
 
 def mesh_scope(mesh: jax.sharding.Mesh | None):
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
-
-
-def gathered(model: Any) -> Any:
-    """The model whole on this process (for evaluation, which each process runs on its own)."""
-    if jax.process_count() == 1:
-        return model
-    from jax.experimental import multihost_utils
-
-    return jax.tree.map(jnp.asarray, multihost_utils.process_allgather(model, tiled=True))
 
 
 def restore_model(directory: str | Path, model_config: ModelConfig, identity: Fingerprint, *, what: str) -> Any:
