@@ -8,6 +8,7 @@
 Every training stage is a `@parallel` step over `[mesh] num_nodes` nodes (one by default): the
 nodes join one JAX process group and run the stage over the global mesh; node 0's result is
 kept. Locally Metaflow starts the extra nodes as processes; on Kubernetes, one pod per node.
+(Schedulers that have no `@parallel`, such as Step Functions, cannot deploy this flow.)
 
 Steps are thin: each calls a `bd_train.stages` function and keeps small artifacts (checkpoint
 paths, fingerprints, metric histories, eval tables); the work and its checks live in bd_train.
@@ -70,10 +71,10 @@ def process_group(config):
     mesh = pipeline_config(config).mesh
     group = ProcessGroup.from_metaflow(current.parallel, run_id=str(current.run_id))
     initialize(group, cpu_devices=mesh.devices // mesh.num_nodes, timeout_s=300)
-    try:
-        yield group
-    finally:
-        shutdown()
+    yield group
+    # Only after success: a failed node must not wait at the shutdown barrier for nodes that are
+    # still inside collectives; its process exits, and the task fails with the original error.
+    shutdown()
 
 
 def node_zero(inputs, name):

@@ -1,5 +1,6 @@
 """The whole pipeline with every training stage as a Metaflow `@parallel` step on 2 local nodes:
-each stage's nodes form one JAX process group over a 2-device mesh."""
+each stage's nodes form one JAX process group over a 2-device mesh. The run fails inside GRPO
+on both nodes (after a checkpoint), and `resume` finishes it on 2 nodes again."""
 
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import numpy as np
 from metaflow import Runner
 
 from bd_train import Checkpointer
-from bd_train.stages import Setup, parse_pipeline_config
+from bd_train.stages import FAULT_ENV, Setup, parse_pipeline_config
 from bd_train._stage_run import fresh_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,13 +17,18 @@ FLOW = str(ROOT / "flows" / "bd_pipeline.py")
 PRESET = ROOT / "flows" / "configs" / "scale_multihost.toml"
 
 
-def test_every_stage_runs_across_two_nodes(tmp_path):
+def test_every_stage_runs_across_two_nodes_and_resumes(tmp_path):
     env = {"METAFLOW_USER": "tester", "WANDB_MODE": "offline", "BDLM_PROGRESS": "0", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": ""}
+           "XLA_FLAGS": "", FAULT_ENV: "grpo:2"}
     with Runner(FLOW, show_output=False, cwd=str(tmp_path), env=env, config=[("config", str(PRESET))]).run(
-            max_workers=2) as running:
+            max_workers=2) as failed:
+        assert failed.status == "failed", failed.stdout[-3000:] + failed.stderr[-3000:]
+        assert "simulated failure after step 2" in failed.stdout + failed.stderr
+        origin = failed.run.id
+    with Runner(FLOW, show_output=False, cwd=str(tmp_path), env=env).resume(origin_run_id=origin) as running:
         assert running.status == "successful", running.stdout[-3000:] + running.stderr[-3000:]
         run = running.run
+    assert run["sft"].task.origin_pathspec is not None and run["opd"].task.origin_pathspec is not None  # cloned
     cfg = parse_pipeline_config(PRESET.read_text())
     for name, artifact, steps in [("sft", "result", cfg["sft"]["steps"]), ("opd", "opd_result", cfg["opd"]["steps"]),
                                   ("grpo", "grpo_result", cfg["grpo"]["steps"] * cfg["grpo"]["updates_per_rollout"])]:
@@ -32,6 +38,8 @@ def test_every_stage_runs_across_two_nodes(tmp_path):
         for role_tasks in _by_group(tasks, name):
             results = [task[artifact].data for task in sorted(role_tasks, key=lambda t: t["node_index"].data)]
             assert results[0].step == steps
+            if name == "grpo":  # continued from the checkpoint of update 2, on both nodes
+                assert [r["step"] for r in results[0].history] == [4]
             # one global computation: both nodes report the same losses and held-out numbers
             assert [r["loss"] for r in results[0].history] == [r["loss"] for r in results[1].history]
             assert results[0].evaluation == results[1].evaluation

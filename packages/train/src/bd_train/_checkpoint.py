@@ -106,9 +106,24 @@ def _arrays_of(state: TrainState) -> dict[str, Any]:
     }
 
 
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-    sharding = getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+def _abstract(x: Any, mesh: jax.sharding.Mesh | None = None) -> jax.ShapeDtypeStruct:
+    """The restore target of a leaf: its own sharding; with `mesh` (the target's parameters are
+    sharded over it), leaves that sit on one device (step counters, optimizer counts, the key)
+    are restored replicated over the mesh instead, so that jitted steps across processes accept
+    them."""
+    sharding = getattr(x, "sharding", None)
+    if mesh is not None and not isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
+def _mesh_of(tree: Any) -> jax.sharding.Mesh | None:
+    for leaf in jax.tree_util.tree_leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding.mesh
+    return None
 
 
 def _describe(shape: Any, dtype: Any) -> str:
@@ -261,7 +276,8 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {self.directory} step {step} holds no data-iterator state; restore "
                                   "without data_iterator= and position the data yourself")
         arrays = _arrays_of(target)
-        items = {name: ocp.args.StandardRestore(jax.tree_util.tree_map(_abstract, tree))
+        mesh = _mesh_of(arrays)
+        items = {name: ocp.args.StandardRestore(jax.tree_util.tree_map(lambda x: _abstract(x, mesh), tree))
                  for name, tree in arrays.items() if tree}
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)

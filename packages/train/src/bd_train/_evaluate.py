@@ -53,7 +53,7 @@ def evaluate(model, setup: Setup, section: EvalSection, *, key: jax.Array, title
         nfe.extend(row_nfe.tolist())
         generated.extend(completion_valid.sum(axis=1).tolist())  # rows stop after their stop block
         if first_trace is None:
-            first_trace = jax.tree_util.tree_map(lambda x: x[0], to_host(rollout.trace))
+            first_trace = jax.tree_util.tree_map(lambda x: x[0], to_host(jax.tree.map(lambda x: x[:1], rollout.trace)))
     rewards = np.asarray(rewards, np.float64)
     canvas = cfg.canvas
     picture = trace_png(

@@ -17,6 +17,7 @@ from jaxtyping import Array
 
 from bd_core import CLEAN_VIEW, DiffusionTokenBatch, RolloutOutput, ViewLayout
 from bd_core._validate import is_concrete
+from bd_models import to_host
 
 
 @jax.tree_util.register_dataclass
@@ -36,10 +37,11 @@ class ReplayBatch:
 
 
 def replay_views(rollout: RolloutOutput, *, multiple: int = 8) -> int:
-    """The smallest multiple of `multiple` that holds every row's valid steps (a shape bucket)."""
+    """The smallest multiple of `multiple` that holds every row's valid steps (a shape bucket).
+    A rollout that spans processes is read through a gather: every process must call this."""
     if rollout.trace is None:
         raise ValueError("replay_views: the rollout has no trace; sample with a trace to replay it")
-    needed = int(np.max(np.sum(np.asarray(rollout.trace.step_valid), axis=1), initial=0))
+    needed = int(np.max(np.sum(to_host(rollout.trace.step_valid), axis=1), initial=0))
     return max(multiple, -(-needed // multiple) * multiple)
 
 

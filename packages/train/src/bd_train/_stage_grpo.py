@@ -14,7 +14,7 @@ import equinox as eqx
 import jax
 import numpy as np
 from bd_data import iterate, prompt_dataset
-from bd_models import decode_completions, sample, shard_model, to_host
+from bd_models import decode_completions, sample, to_host
 
 from ._grpo import GRPOBatch, GRPOConfig, compute_advantages, distribution_score, make_grpo_loss
 from ._optim import make_optimizer
@@ -41,9 +41,11 @@ def run_grpo(config: Any, context: PipelineContext, *, start: StageResult) -> St
     cfg, tok = setup.config, setup.tokenizer
     section, stage = cfg.grpo, "grpo"
     identity = setup.identity("student")
+    mesh = training_mesh(setup, setup.model_config("student"), section.prompts_per_step * section.group_size)
     model = restore_model(start.checkpoint_dir, setup.model_config("student"), identity,
-                          what="student checkpoint after OPD")
-    reference = model  # frozen copy: arrays are immutable, training builds new ones
+                          what="student checkpoint after OPD", mesh=mesh)
+    # the frozen reference of the KL term (arrays are immutable: training builds new ones)
+    reference = model if section.beta > 0 else None
     sampler = setup.sampler_config(section.sampler)
     distribution = sampler.distribution_kwargs()
     views, group = replay_capacity(sampler), section.group_size
@@ -56,9 +58,6 @@ def run_grpo(config: Any, context: PipelineContext, *, start: StageResult) -> St
     trainer = Trainer(make_grpo_loss(grpo, distribution_score(distribution)), make_optimizer(optimizer))
     key = jax.random.fold_in(jax.random.key(cfg.run.seed), 3)
     train_key, rollout_key, eval_key = jax.random.split(key, 3)
-    mesh = training_mesh(setup, setup.model_config("student"), section.prompts_per_step * group)
-    if mesh is not None:
-        model = reference = shard_model(model, mesh)
     state = trainer.init(model, key=train_key)
     prompts = iterate(prompt_dataset(setup.source("train"), tok, cfg.canvas, seed=cfg.run.seed + 3,
                                      batch_size=section.prompts_per_step, **GLOBAL_BATCH))

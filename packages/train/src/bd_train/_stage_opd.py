@@ -14,7 +14,7 @@ import equinox as eqx
 import jax
 from bd_core import DistillationBatch
 from bd_data import iterate, prompt_dataset
-from bd_models import ModelConfig, sample, shard_model, to_host
+from bd_models import ModelConfig, sample, to_host
 
 from ._opd import OPDConfig, make_opd_loss
 from ._optim import make_optimizer
@@ -44,11 +44,14 @@ def run_opd(config: Any, context: PipelineContext, *, teacher: StageResult, stud
     cfg, tok = setup.config, setup.tokenizer
     section, stage = cfg.opd, "opd"
     teacher_config = ModelConfig.from_dict(teacher.fingerprint.fields["architecture"])
+    mesh = training_mesh(setup, setup.model_config("student"), section.prompts_per_step)
+    if mesh is not None:  # the frozen teacher scores the replay on the same mesh
+        training_mesh(setup, teacher_config, section.prompts_per_step)
     teacher_model = restore_model(teacher.checkpoint_dir, teacher_config, teacher.fingerprint,
-                                  what="teacher checkpoint")
+                                  what="teacher checkpoint", mesh=mesh)
     identity = setup.identity("student")
     student_model = restore_model(student.checkpoint_dir, setup.model_config("student"), identity,
-                                  what="student SFT checkpoint")
+                                  what="student SFT checkpoint", mesh=mesh)
     sampler = setup.sampler_config(section.sampler)
     views = replay_capacity(sampler)
     loss_fn = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
@@ -57,11 +60,7 @@ def run_opd(config: Any, context: PipelineContext, *, teacher: StageResult, stud
     trainer = Trainer(loss_fn, make_optimizer(optimizer))
     key = jax.random.fold_in(jax.random.key(cfg.run.seed), 2)
     train_key, rollout_key, eval_key = jax.random.split(key, 3)
-    mesh = training_mesh(setup, setup.model_config("student"), section.prompts_per_step)
-    state = trainer.init(student_model if mesh is None else shard_model(student_model, mesh), key=train_key)
-    if mesh is not None:  # the frozen teacher scores the replay on the same mesh
-        training_mesh(setup, teacher_config, section.prompts_per_step)
-        teacher_model = shard_model(teacher_model, mesh)
+    state = trainer.init(student_model, key=train_key)
     prompts = iterate(prompt_dataset(setup.source("train"), tok, cfg.canvas, seed=cfg.run.seed + 2,
                                      batch_size=section.prompts_per_step, **GLOBAL_BATCH))
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from bd_core import Fingerprint, FingerprintMismatch
 from bd_models import BlockDiffusionLM, MeshError, ModelConfig, check_divisibility, make_mesh, shard_batch, shard_model
 
@@ -80,11 +81,13 @@ def mesh_scope(mesh: jax.sharding.Mesh | None):
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
-def restore_model(directory: str | Path, model_config: ModelConfig, identity: Fingerprint, *, what: str) -> Any:
+def restore_model(directory: str | Path, model_config: ModelConfig, identity: Fingerprint, *, what: str,
+                  mesh: jax.sharding.Mesh | None = None) -> Any:
     """The model saved in `directory` (its latest step), after checking its identity fingerprint
-    and tree against the current config; any mismatch refuses with every differing field named."""
+    and tree against the current config; any mismatch refuses with every differing field named.
+    With a mesh, it is restored straight into its shards."""
     checkpoints = open_checkpoints(directory, create=False)
-    _, target = fresh_state(model_config, OptimizerConfig(), key=jax.random.key(0))
+    _, target = fresh_state(model_config, OptimizerConfig(), key=jax.random.key(0), mesh=mesh)
     try:
         state = checkpoints.restore(target, fingerprints={"identity": identity})
     except (FingerprintMismatch, CheckpointError) as err:
@@ -111,6 +114,16 @@ def open_tracker(setup: Setup, context: PipelineContext, stage: str) -> Tracker:
     cfg = setup.config
     return Tracker(root=context.wandb_dir, project=cfg.run.project, stage=stage, group=context.run_id,
                    config=cfg.to_dict(), mode="disabled" if jax.process_index() else None)
+
+
+def _agreed(stop: bool) -> bool:
+    """Whether any process got SIGTERM: the saves and the stop are collective, so every process
+    must take them at the same step (pods of one job can be signalled a step apart)."""
+    if jax.process_count() == 1:
+        return stop
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.int32(stop))))
 
 
 class StageLoop:
@@ -151,6 +164,7 @@ class StageLoop:
                        description=self.name)
         with _StopFlag(True) as flag:
             for _ in bar:
+                stop = _agreed(flag.stop)
                 state, metrics = step_fn(state, int(state.step))
                 step = int(state.step)
                 row = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
@@ -164,9 +178,9 @@ class StageLoop:
                 if self.tracker is not None and (step % self.log_every == 0 or step >= total):
                     self.tracker.log(row, step=step)
                 bar.set_postfix({k: f"{row[k]:.3g}" for k in ("loss", "reward_mean") if k in row}, refresh=False)
-                if step // self.every > (step - updates_per_step) // self.every or step >= total or flag.stop:
+                if step // self.every > (step - updates_per_step) // self.every or step >= total or stop:
                     self._save(state)
-                if flag.stop:
+                if stop:
                     raise StageError(f"{self.name}: stopped by SIGTERM at step {step}; the checkpoint is saved in "
                                      f"{self.directory}; run `resume` to continue")
                 if fault_step is not None and start < fault_step <= step:

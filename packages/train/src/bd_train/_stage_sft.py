@@ -18,7 +18,7 @@ from ._optim import make_optimizer
 from ._pipeline_config import pipeline_config
 from ._sft import sft_objective
 from ._stage_report import run_stage
-from ._stage_run import GLOBAL_BATCH, fresh_state, on_mesh, restore_model, saved_identity, training_mesh
+from ._stage_run import GLOBAL_BATCH, fresh_state, mesh_scope, on_mesh, restore_model, saved_identity, training_mesh
 from ._stage_setup import ROLES, SHARED_IDENTITY_KEYS, PipelineContext, Setup, StageError, StageResult
 from ._trainer import Trainer, TrainerConfig
 
@@ -74,7 +74,10 @@ def _adopt(setup: Setup, context: PipelineContext, role: str) -> StageResult:
     except ValueError:
         return result
     model_config = ModelConfig.from_dict(identity.fields["architecture"])
-    model = restore_model(directory, model_config, identity, what=f"{role} checkpoint")
-    report = evaluate(model, setup, cfg.eval, key=jax.random.key(cfg.run.seed), title=f"{role} (adopted)")
+    mesh = training_mesh(setup, model_config, cfg.sft.batch_size // cfg.sft.microbatches)
+    model = restore_model(directory, model_config, identity, what=f"{role} checkpoint", mesh=mesh)
+    with mesh_scope(mesh):
+        report = evaluate(model, setup, cfg.eval, key=jax.random.key(cfg.run.seed), title=f"{role} (adopted)",
+                          mesh=mesh)
     result.evaluation, result.samples, result.trace_png = report["evaluation"], report["samples"], report["trace_png"]
     return result
