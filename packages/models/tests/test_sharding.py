@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from bd_models import BlockDiffusionLM, ModelConfig, make_mesh, param_partition_specs, shard_batch, shard_model
@@ -46,3 +47,17 @@ def test_partition_specs_follow_the_plan():
     assert sharded.layers.w_gate.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "model")
     with pytest.raises(ValueError, match="must equal the number of devices"):
         make_mesh(2, 2, 1)
+
+
+def test_init_sharded_builds_the_model_in_its_shards():
+    from bd_models import init_sharded
+
+    mesh = make_mesh(2, 2, 2)
+    config = ModelConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, block_size=4)
+    key = jax.random.key(3)
+    want = shard_model(BlockDiffusionLM(config, key=key), mesh)
+    got = init_sharded(lambda: BlockDiffusionLM(config, key=key), mesh)
+    assert jax.tree.structure(got) == jax.tree.structure(want) and got.config == config
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.sharding == w.sharding and g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-6)

@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 from bd_core import Fingerprint, FingerprintMismatch
-from bd_models import BlockDiffusionLM, MeshError, ModelConfig, check_divisibility, make_mesh, shard_batch, shard_model
+from bd_models import (BlockDiffusionLM, MeshError, ModelConfig, check_divisibility, init_sharded, make_mesh,
+                       shard_batch)
 
 from ._checkpoint import Checkpointer, CheckpointError
 from ._loop import _StopFlag
@@ -38,11 +39,11 @@ def open_checkpoints(directory: str | Path, *, create: bool, max_to_keep: int | 
 def fresh_state(model_config: ModelConfig, optimizer: OptimizerConfig, *, key: jax.Array,
                 mesh: jax.sharding.Mesh | None = None) -> tuple[Trainer, TrainState]:
     """A train state of the architecture (the restore target, or a from-scratch start); with a
-    mesh, the model and so the optimizer state built from it are sharded over it."""
+    mesh, the model is built straight into its shards, and so is the optimizer state."""
     model_key, train_key = jax.random.split(key)
     trainer = Trainer(lambda m, b, k: 0.0, make_optimizer(optimizer))
-    model = BlockDiffusionLM(model_config, key=model_key)
-    return trainer, trainer.init(model if mesh is None else shard_model(model, mesh), key=train_key)
+    make = lambda: BlockDiffusionLM(model_config, key=model_key)  # noqa: E731
+    return trainer, trainer.init(make() if mesh is None else init_sharded(make, mesh), key=train_key)
 
 
 def training_mesh(setup: Setup, model_config: ModelConfig, batch_size: int) -> jax.sharding.Mesh | None:
