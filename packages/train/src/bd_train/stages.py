@@ -1,7 +1,9 @@
 """The pipeline's stages as plain functions: validated config in, small results out.
 
 `run_sft` (teacher or student), `run_opd`, `run_grpo` and `evaluate` need no orchestrator; the
-Metaflow flow in `flows/bd_pipeline.py` is a thin graph over them.
+Metaflow flow in `flows/bd_pipeline.py` is a thin graph over them. With a `[mesh]` they run
+sharded over it, across processes too once `bd_train.distributed.initialize` has joined a group
+(every process calls the same stage with the same config).
 """
 
 from ._config_io import ConfigError as ConfigError
