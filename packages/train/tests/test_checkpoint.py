@@ -144,3 +144,41 @@ def test_sigterm_saves_the_current_step_and_stops(tmp_path, toy_model, batch_fac
         assert result.preempted and int(result.state.step) == 3
         assert checkpointer.all_steps() == [3]
     assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_stage_loop_stops_on_sigterm_with_a_save_and_resumes_from_it(tmp_path, toy_model, batch_factory,
+                                                                     monkeypatch):
+    from bd_train._stage_run import StageLoop
+    from bd_train.stages import StageError
+
+    monkeypatch.setenv("BDLM_PROGRESS", "0")
+    trainer = Trainer(sft_objective, optax.sgd(0.1), TrainerConfig())
+    fresh = trainer.init(toy_model(key=jax.random.key(0)), key=jax.random.key(1))
+
+    def loop():
+        return StageLoop(name="toy", directory=tmp_path, fingerprints={}, config={"lr": 0.1}, every=4,
+                         max_to_keep=5, log_every=1, tracker=None)
+
+    def step_fn(state, step):
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return trainer.step(state, batch_factory(step))
+
+    first = loop()
+    with pytest.raises(StageError, match=r"toy: stopped by SIGTERM at step 6; the checkpoint is saved"):
+        first.run(first.resume(fresh), 10, step_fn)
+    assert first.checkpoints.all_steps() == [4, 6]  # the periodic save, then the one on SIGTERM
+    first.checkpoints.close()
+
+    second = loop()
+    state = second.resume(fresh)
+    assert int(state.step) == 6
+    state = second.run(state, 10, lambda state, step: trainer.step(state, batch_factory(step)))
+    assert [row["step"] for row in second.history] == [7, 8, 9, 10]
+    with Checkpointer(tmp_path, create=False) as checkpoints:
+        assert checkpoints.all_steps() == [4, 6, 8, 10]
+    reference = fresh
+    for step in range(10):
+        reference, _ = trainer.step(reference, batch_factory(step))
+    for got, want in zip(jax.tree.leaves(state.model), jax.tree.leaves(reference.model)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)

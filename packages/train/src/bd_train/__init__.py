@@ -22,6 +22,7 @@ from ._grpo import grpo_objective as grpo_objective
 from ._grpo import make_grpo_loss as make_grpo_loss
 from ._grpo import require_trace as require_trace
 from ._loop import LoopResult as LoopResult
+from ._loop import run_updates as run_updates
 from ._loop import train_loop as train_loop
 from ._opd import OPDConfig as OPDConfig
 from ._opd import make_opd_loss as make_opd_loss

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from bd_core import Fingerprint
 
@@ -41,6 +42,40 @@ class _StopFlag:
             signal.signal(signal.SIGTERM, self._previous)
 
 
+def _agreed(stop: bool) -> bool:
+    """Whether any process got SIGTERM: saves are collective, so every process must stop at the
+    same update (pods of one job can be signalled an update apart)."""
+    if jax.process_count() == 1:
+        return stop
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.int32(stop))))
+
+
+def run_updates(state: TrainState, num_steps: int, update: Callable[[TrainState], tuple[TrainState, Any]], *,
+                save: Callable[[TrainState, bool], None],
+                on_update: Callable[[TrainState, Any], None] | None = None,
+                save_every: int | None = None, handle_sigterm: bool = True) -> tuple[TrainState, bool]:
+    """The loop every training driver here shares. Runs `update(state) -> (state, metrics)` until
+    `state.step >= num_steps`, calling `on_update(state, metrics)` after each. `save(state, final)`
+    runs when an update crosses a multiple of `save_every` (final=False), at the end, and when
+    SIGTERM reached any process (final=True); after a SIGTERM it returns at once with
+    `preempted=True`. Returns `(state, preempted)`."""
+    with _StopFlag(handle_sigterm) as flag:
+        while int(state.step) < num_steps:
+            before = int(state.step)
+            state, metrics = update(state)
+            if on_update is not None:
+                on_update(state, metrics)
+            if _agreed(flag.stop):
+                save(state, True)
+                return state, True
+            if save_every and int(state.step) // save_every > before // save_every:
+                save(state, False)
+    save(state, True)
+    return state, False
+
+
 @dataclasses.dataclass
 class LoopResult:
     state: TrainState
@@ -64,31 +99,27 @@ def train_loop(trainer: Trainer, state: TrainState, batches: Iterable[Any], *, n
     iterator = iter(batches)
     history: list[dict[str, float]] = []
 
-    def save(force: bool) -> None:
-        if checkpointer is not None and int(state.step) not in checkpointer.all_steps():
-            checkpointer.save(state, fingerprints=fingerprints, config=config, data_iterator=data_iterator,
-                              force=force)
+    def update(state: TrainState) -> tuple[TrainState, dict[str, float]]:
+        for call in range(calls_per_update):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                raise ValueError(f"train_loop: the data ran out at step {int(state.step)} of {num_steps}; "
+                                 "use a repeating dataset or lower num_steps") from None
+            state, metrics = trainer.step(state, batch, is_update_step=call == calls_per_update - 1)
+            history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+        return state, history[-1]
 
-    preempted = False
-    with _StopFlag(handle_sigterm) as flag:
-        while int(state.step) < num_steps:
-            for call in range(calls_per_update):
-                try:
-                    batch = next(iterator)
-                except StopIteration:
-                    raise ValueError(f"train_loop: the data ran out at step {int(state.step)} of {num_steps}; "
-                                     "use a repeating dataset or lower num_steps") from None
-                state, metrics = trainer.step(state, batch, is_update_step=call == calls_per_update - 1)
-                history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
-            step = int(state.step)
-            if on_step is not None:
-                on_step(step, history[-1])
-            if flag.stop:
-                preempted = True
-                break
-            if save_every is not None and step % save_every == 0:
-                save(force=False)
-        save(force=True)
-        if checkpointer is not None:
+    def save(state: TrainState, final: bool) -> None:
+        if checkpointer is None:
+            return
+        if int(state.step) not in checkpointer.all_steps():
+            checkpointer.save(state, fingerprints=fingerprints, config=config, data_iterator=data_iterator,
+                              force=final)
+        if final:
             checkpointer.wait()
+
+    on_update = None if on_step is None else (lambda state, metrics: on_step(int(state.step), metrics))
+    state, preempted = run_updates(state, num_steps, update, save=save, on_update=on_update, save_every=save_every,
+                                   handle_sigterm=handle_sigterm)
     return LoopResult(state, history, preempted)

@@ -12,13 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from bd_core import Fingerprint, FingerprintMismatch
 from bd_models import (BlockDiffusionLM, MeshError, ModelConfig, check_divisibility, init_sharded, make_mesh,
                        shard_batch)
 
 from ._checkpoint import Checkpointer, CheckpointError
-from ._loop import _StopFlag
+from ._loop import run_updates
 from ._optim import OptimizerConfig, make_optimizer
 from ._stage_setup import PipelineContext, Setup, StageError, progress
 from ._tracking import Tracker
@@ -117,20 +116,11 @@ def open_tracker(setup: Setup, context: PipelineContext, stage: str) -> Tracker:
                    config=cfg.to_dict(), mode="disabled" if jax.process_index() else None)
 
 
-def _agreed(stop: bool) -> bool:
-    """Whether any process got SIGTERM: the saves and the stop are collective, so every process
-    must take them at the same step (pods of one job can be signalled a step apart)."""
-    if jax.process_count() == 1:
-        return stop
-    from jax.experimental import multihost_utils
-
-    return bool(np.any(multihost_utils.process_allgather(np.int32(stop))))
-
-
 class StageLoop:
-    """Runs `step_fn(state, step) -> (state, metrics)` until `total` updates, resuming from the
-    latest checkpoint in `directory`, saving every `every` updates and on SIGTERM (then refusing
-    to go on, so the orchestrator can `resume`), logging to the tracker and a progress bar."""
+    """Runs `step_fn(state, step) -> (state, metrics)` until `total` updates (through
+    `run_updates`, the loop `train_loop` also uses), resuming from the latest checkpoint in
+    `directory`, saving every `every` updates and on SIGTERM (then refusing to go on, so the
+    orchestrator can `resume`), logging to the tracker and a progress bar."""
 
     def __init__(self, *, name: str, directory: Path, fingerprints: Mapping[str, Fingerprint], config: Any,
                  every: int, max_to_keep: int, log_every: int, tracker: Tracker | None, data_iterator: Any = None,
@@ -161,32 +151,34 @@ class StageLoop:
         start = int(state.step)
         fault = os.environ.get(FAULT_ENV, "")
         fault_step = int(fault.split(":")[1]) if fault.startswith(f"{self.name}:") else None
-        bar = progress(range(start, total, updates_per_step), total=(total - start) // updates_per_step,
-                       description=self.name)
-        with _StopFlag(True) as flag:
-            for _ in bar:
-                stop = _agreed(flag.stop)
-                state, metrics = step_fn(state, int(state.step))
-                step = int(state.step)
-                row = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
-                if self.learning_rate is not None:
-                    row["learning_rate"] = float(self.learning_rate(step - 1))
-                if "tokens" in row:
-                    row["tokens_total"] = row["tokens"] + (self.history[-1]["tokens_total"] if self.history else 0.0)
-                skipped = updates_per_step * (1.0 - row.get("update_applied", 1.0))
-                row["skipped_total"] = skipped + (self.history[-1]["skipped_total"] if self.history else 0.0)
-                self.history.append(row)
-                if self.tracker is not None and (step % self.log_every == 0 or step >= total):
-                    self.tracker.log(row, step=step)
-                bar.set_postfix({k: f"{row[k]:.3g}" for k in ("loss", "reward_mean") if k in row}, refresh=False)
-                if step // self.every > (step - updates_per_step) // self.every or step >= total or stop:
-                    self._save(state)
-                if stop:
-                    raise StageError(f"{self.name}: stopped by SIGTERM at step {step}; the checkpoint is saved in "
-                                     f"{self.directory}; run `resume` to continue")
-                if fault_step is not None and start < fault_step <= step:
-                    self._save(state)
-                    raise RuntimeError(f"{self.name}: simulated failure after step {step} ({FAULT_ENV}={fault})")
-        self._save(state)
+        bar = progress(None, total=(total - start) // updates_per_step, description=self.name)
+
+        def on_update(state: TrainState, metrics: dict) -> None:
+            step = int(state.step)
+            row = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
+            if self.learning_rate is not None:
+                row["learning_rate"] = float(self.learning_rate(step - 1))
+            if "tokens" in row:
+                row["tokens_total"] = row["tokens"] + (self.history[-1]["tokens_total"] if self.history else 0.0)
+            skipped = updates_per_step * (1.0 - row.get("update_applied", 1.0))
+            row["skipped_total"] = skipped + (self.history[-1]["skipped_total"] if self.history else 0.0)
+            self.history.append(row)
+            if self.tracker is not None and (step % self.log_every == 0 or step >= total):
+                self.tracker.log(row, step=step)
+            bar.set_postfix({k: f"{row[k]:.3g}" for k in ("loss", "reward_mean") if k in row}, refresh=False)
+            bar.update(1)
+            if fault_step is not None and start < fault_step <= step:
+                self._save(state)
+                raise RuntimeError(f"{self.name}: simulated failure after step {step} ({FAULT_ENV}={fault})")
+
+        try:
+            state, preempted = run_updates(state, total, lambda s: step_fn(s, int(s.step)),
+                                           save=lambda s, final: self._save(s), on_update=on_update,
+                                           save_every=self.every)
+        finally:
+            bar.close()
+        if preempted:
+            raise StageError(f"{self.name}: stopped by SIGTERM at step {int(state.step)}; the checkpoint is saved in "
+                             f"{self.directory}; run `resume` to continue")
         self.checkpoints.close()
         return state
