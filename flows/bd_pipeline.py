@@ -77,9 +77,6 @@ def process_group(config):
     shutdown()
 
 
-def node_zero(inputs, name):
-    """The artifact `name` of node 0 of a `@parallel` step (every node holds the same result)."""
-    return next(getattr(node, name) for node in inputs if node.node_index == 0)
 
 
 class BDPipeline(FlowSpec):
@@ -87,6 +84,22 @@ class BDPipeline(FlowSpec):
 
     config = Config("config", default=DEFAULT_CONFIG, parser=parse_config,
                     help="a TOML preset (flows/configs/); validated before anything runs")
+
+    def _run_on_nodes(self, stage_fn, card_id, **kwargs):
+        """Run a stage on this `@parallel` node inside the stage's process group; fill its card."""
+        from bd_cards import stage_card
+
+        with process_group(self.config) as group:
+            self.node_index = group.process_id
+            result = _stage_call(stage_fn, self.config, self.context, **kwargs)
+        stage_card(current.card[card_id], result)
+        return result
+
+    def _keep_node_zero(self, inputs, name):
+        """In the join after a `@parallel` step: node 0's artifact `name` (every node holds the same
+        result) and the artifacts the nodes share."""
+        setattr(self, name, next(getattr(node, name) for node in inputs if node.node_index == 0))
+        self.merge_artifacts(inputs, exclude=[name, "node_index"])
 
     @step
     def start(self):
@@ -107,19 +120,14 @@ class BDPipeline(FlowSpec):
     @parallel
     @step
     def sft(self):
-        from bd_cards import stage_card
         from bd_train.stages import run_sft
 
-        with process_group(self.config) as group:
-            self.node_index = group.process_id
-            self.result = _stage_call(run_sft, self.config, self.context, role=self.role)
-        stage_card(current.card["sft"], self.result)
+        self.result = self._run_on_nodes(run_sft, "sft", role=self.role)
         self.next(self.sft_nodes)
 
     @step
     def sft_nodes(self, inputs):
-        self.result = node_zero(inputs, "result")
-        self.merge_artifacts(inputs, exclude=["result", "node_index"])
+        self._keep_node_zero(inputs, "result")
         self.next(self.join)
 
     @step
@@ -139,20 +147,15 @@ class BDPipeline(FlowSpec):
     @parallel
     @step
     def opd(self):
-        from bd_cards import stage_card
         from bd_train.stages import run_opd
 
-        with process_group(self.config) as group:
-            self.node_index = group.process_id
-            self.opd_result = _stage_call(run_opd, self.config, self.context,
-                                          teacher=self.sft_results["teacher"], student=self.sft_results["student"])
-        stage_card(current.card["opd"], self.opd_result)
+        self.opd_result = self._run_on_nodes(run_opd, "opd", teacher=self.sft_results["teacher"],
+                                             student=self.sft_results["student"])
         self.next(self.opd_nodes)
 
     @step
     def opd_nodes(self, inputs):
-        self.opd_result = node_zero(inputs, "opd_result")
-        self.merge_artifacts(inputs, exclude=["opd_result", "node_index"])
+        self._keep_node_zero(inputs, "opd_result")
         self.next(self.grpo_launch)
 
     @step
@@ -163,19 +166,14 @@ class BDPipeline(FlowSpec):
     @parallel
     @step
     def grpo(self):
-        from bd_cards import stage_card
         from bd_train.stages import run_grpo
 
-        with process_group(self.config) as group:
-            self.node_index = group.process_id
-            self.grpo_result = _stage_call(run_grpo, self.config, self.context, start=self.opd_result)
-        stage_card(current.card["grpo"], self.grpo_result)
+        self.grpo_result = self._run_on_nodes(run_grpo, "grpo", start=self.opd_result)
         self.next(self.grpo_nodes)
 
     @step
     def grpo_nodes(self, inputs):
-        self.grpo_result = node_zero(inputs, "grpo_result")
-        self.merge_artifacts(inputs, exclude=["grpo_result", "node_index"])
+        self._keep_node_zero(inputs, "grpo_result")
         self.next(self.end)
 
     @card(type="blank", id="summary")

@@ -6,28 +6,16 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from metaflow import Runner
 
 from bd_train import Checkpointer
-from bd_train.stages import FAULT_ENV, Setup, parse_pipeline_config
+from bd_train.stages import Setup, parse_pipeline_config
 from bd_train._stage_run import fresh_state
 
-ROOT = Path(__file__).resolve().parents[1]
-FLOW = str(ROOT / "flows" / "bd_pipeline.py")
-PRESET = ROOT / "flows" / "configs" / "scale_multihost.toml"
+PRESET = Path(__file__).resolve().parents[1] / "flows" / "configs" / "scale_multihost.toml"
 
 
-def test_every_stage_runs_across_two_nodes_and_resumes(tmp_path):
-    env = {"METAFLOW_USER": "tester", "WANDB_MODE": "offline", "BDLM_PROGRESS": "0", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "", FAULT_ENV: "grpo:2"}
-    with Runner(FLOW, show_output=False, cwd=str(tmp_path), env=env, config=[("config", str(PRESET))]).run(
-            max_workers=2) as failed:
-        assert failed.status == "failed", failed.stdout[-3000:] + failed.stderr[-3000:]
-        assert "simulated failure after step 2" in failed.stdout + failed.stderr
-        origin = failed.run.id
-    with Runner(FLOW, show_output=False, cwd=str(tmp_path), env=env).resume(origin_run_id=origin) as running:
-        assert running.status == "successful", running.stdout[-3000:] + running.stderr[-3000:]
-        run = running.run
+def test_every_stage_runs_across_two_nodes_and_resumes(tmp_path, flow_runs):
+    run, _ = flow_runs.crash_and_resume(PRESET, tmp_path, fault="grpo:2")
     assert run["sft"].task.origin_pathspec is not None and run["opd"].task.origin_pathspec is not None  # cloned
     cfg = parse_pipeline_config(PRESET.read_text())
     for name, artifact, steps in [("sft", "result", cfg["sft"]["steps"]), ("opd", "opd_result", cfg["opd"]["steps"]),

@@ -19,18 +19,10 @@ import pytest
 from metaflow import Runner
 
 from bd_train import Checkpointer
-from bd_train.stages import FAULT_ENV, Setup, parse_pipeline_config
+from bd_train.stages import Setup, parse_pipeline_config
 from bd_train._stage_run import fresh_state
 
-ROOT = Path(__file__).resolve().parents[1]
-FLOW = str(ROOT / "flows" / "bd_pipeline.py")
-SMOKE = ROOT / "flows" / "configs" / "smoke.toml"
-
-
-def flow_env(cwd: Path, **extra) -> dict:
-    # The datastore is found from the working directory (`<cwd>/.metaflow`), here a temp dir.
-    return {"METAFLOW_USER": "tester", "WANDB_MODE": "offline",
-            "BDLM_PROGRESS": "0", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", **extra}
+SMOKE = Path(__file__).resolve().parents[1] / "flows" / "configs" / "smoke.toml"
 
 
 def wandb_records(path: Path):
@@ -69,18 +61,11 @@ def wandb_runs(root: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def resumed_run(tmp_path_factory):
+def resumed_run(tmp_path_factory, flow_runs):
     """Smoke flow that crashes after GRPO update 2 (checkpoint saved), then `resume`."""
     cwd = tmp_path_factory.mktemp("pipeline")
-    env = flow_env(cwd, **{FAULT_ENV: "grpo:2"})
-    with Runner(FLOW, show_output=False, cwd=str(cwd), env=env, config=[("config", str(SMOKE))]).run(
-            max_workers=2) as failed:
-        assert failed.status == "failed", failed.stdout[-2000:] + failed.stderr[-2000:]
-        assert "simulated failure after step 2" in failed.stderr + failed.stdout
-        origin = failed.run.id
-    with Runner(FLOW, show_output=False, cwd=str(cwd), env=env).resume(origin_run_id=origin) as resumed:
-        assert resumed.status == "successful", resumed.stdout[-3000:] + resumed.stderr[-3000:]
-        return cwd, resumed.run, origin
+    run, origin = flow_runs.crash_and_resume(SMOKE, cwd, fault="grpo:2")
+    return cwd, run, origin
 
 
 def test_resume_continues_grpo_from_its_latest_checkpoint(resumed_run):
@@ -117,11 +102,11 @@ def test_wandb_offline_logs_hold_the_stage_metrics(resumed_run):
             "nfe_per_token", "completion_length", "ratio_first_update"} <= by_stage["grpo"]
 
 
-def test_cards_show_curves_eval_samples_and_a_trace(resumed_run):
+def test_cards_show_curves_eval_samples_and_a_trace(resumed_run, flow_runs):
     cwd, run, _ = resumed_run
     out = cwd / "grpo_card.html"
-    env = {**os.environ, **flow_env(cwd)}
-    done = subprocess.run([sys.executable, FLOW, "card", "get", f"{run.id}/grpo", str(out)], cwd=cwd, env=env,
+    env = {**os.environ, **flow_runs.env()}
+    done = subprocess.run([sys.executable, flow_runs.flow, "card", "get", f"{run.id}/grpo", str(out)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     # The card's components are embedded in the page as base64 JSON.
@@ -140,7 +125,7 @@ def test_first_grpo_update_has_ratio_one(resumed_run):
         assert row["clip_fraction_first_update"] == 0.0
 
 
-def test_teacher_with_another_block_size_fails_closed_at_the_join(tmp_path):
+def test_teacher_with_another_block_size_fails_closed_at_the_join(tmp_path, flow_runs):
     # A real SFT checkpoint of a teacher trained with block size 8.
     text = SMOKE.read_text().replace("block_size = 4", "block_size = 8")
     other = Setup(parse_pipeline_config(text))
@@ -151,7 +136,7 @@ def test_teacher_with_another_block_size_fails_closed_at_the_join(tmp_path):
         checkpoints.save(state, fingerprints={"identity": other.identity("teacher")})
     preset = tmp_path / "adopt.toml"
     preset.write_text(SMOKE.read_text().replace("[teacher]\n", f"[teacher]\ncheckpoint = '{teacher_dir}'\n"))
-    with Runner(FLOW, show_output=False, cwd=str(tmp_path), env=flow_env(tmp_path),
+    with Runner(flow_runs.flow, show_output=False, cwd=str(tmp_path), env=flow_runs.env(),
                 config=[("config", str(preset))]).run(max_workers=2) as running:
         assert running.status == "failed"
         log = running.stdout + running.stderr

@@ -8,6 +8,7 @@ are gathered so that every process scores them all.
 
 from __future__ import annotations
 
+import dataclasses
 import jax
 import numpy as np
 from bd_data import prompt_dataset
@@ -42,16 +43,16 @@ def evaluate(model, setup: Setup, section: EvalSection, *, key: jax.Array, title
             valid = np.concatenate([valid, np.repeat(valid[:1], fill, 0)])
         prompts = (tokens, valid) if mesh is None else shard_batch((tokens, valid), mesh)
         rollout = sample(model, prompts, sampler, key=jax.random.fold_in(key, i))
-        completion_valid, row_nfe = (x[:rows] for x in to_host((rollout.completion_valid, rollout.nfe)))
-        texts = decode_completions(tok, rollout, stop_ids=sampler.stop_ids)[:rows]
+        completions = to_host(dataclasses.replace(rollout, trace=None))  # the per-row arrays, gathered once
+        texts = decode_completions(tok, completions, stop_ids=sampler.stop_ids)[:rows]
         for example, text in zip(batch.examples, texts):
             reward = setup.reward(example, text)
             rewards.append(reward)
             if len(samples) < section.samples_shown:
                 samples.append({"prompt": example.prompt, "answer": example.answer, "completion": text,
                                 "reward": reward})
-        nfe.extend(row_nfe.tolist())
-        generated.extend(completion_valid.sum(axis=1).tolist())  # rows stop after their stop block
+        nfe.extend(completions.nfe[:rows].tolist())
+        generated.extend(completions.completion_valid[:rows].sum(axis=1).tolist())  # rows stop after their stop block
         if first_trace is None:
             first_trace = jax.tree_util.tree_map(lambda x: x[0], to_host(jax.tree.map(lambda x: x[:1], rollout.trace)))
     rewards = np.asarray(rewards, np.float64)

@@ -8,6 +8,7 @@ only the completions are gathered, so that every process scores every row's rewa
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import equinox as eqx
@@ -67,7 +68,8 @@ def run_grpo(config: Any, context: PipelineContext, *, start: StageResult) -> St
         tokens, valid = np.repeat(batch.tokens, group, 0), np.repeat(batch.valid, group, 0)
         rollout = sample(state.model, on_mesh((tokens, valid), mesh), sampler,
                          key=jax.random.fold_in(rollout_key, step))
-        texts = decode_completions(tok, rollout, stop_ids=sampler.stop_ids)
+        completions = to_host(dataclasses.replace(rollout, trace=None))  # the per-row arrays, gathered once
+        texts = decode_completions(tok, completions, stop_ids=sampler.stop_ids)
         examples = [example for example in batch.examples for _ in range(group)]
         rewards = np.asarray([setup.reward(e, t) for e, t in zip(examples, texts)], np.float32)
         replay = build_replay(rollout, mask_id=tok.mask_id, num_views=views)
@@ -78,13 +80,12 @@ def run_grpo(config: Any, context: PipelineContext, *, start: StageResult) -> St
         for _ in range(updates):
             state, metrics = trainer.step(state, grpo_batch)
             first = first or metrics
-        completion_valid, nfe = to_host((rollout.completion_valid, rollout.nfe))
-        generated = completion_valid.sum()
+        generated = completions.completion_valid.sum()
         metrics = dict(metrics, ratio_first_update=first["ratio_mean"], clip_fraction_first_update=first["clip_fraction"],
                        reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
                        accuracy=float(np.mean(rewards == 1.0)),
                        completion_length=float(np.mean([len(t) for t in texts])),
-                       nfe_per_token=float(nfe.sum() / max(1, generated)),
+                       nfe_per_token=float(completions.nfe.sum() / max(1, generated)),
                        tokens=float(generated))
         return state, metrics
 

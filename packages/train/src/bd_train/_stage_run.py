@@ -151,7 +151,7 @@ class StageLoop:
         start = int(state.step)
         fault = os.environ.get(FAULT_ENV, "")
         fault_step = int(fault.split(":")[1]) if fault.startswith(f"{self.name}:") else None
-        bar = progress(None, total=(total - start) // updates_per_step, description=self.name)
+        bar = progress(total=(total - start) // updates_per_step, description=self.name)
 
         def on_update(state: TrainState, metrics: dict) -> None:
             step = int(state.step)

@@ -167,7 +167,7 @@ def check_start_identity(saved: Fingerprint, expected: Fingerprint, *, what: str
         raise StageError(str(err)) from None
 
 
-def progress(iterable, *, total: int, description: str):
+def progress(*, total: int, description: str):
     """A tqdm bar on a terminal. Elsewhere (Metaflow step logs, CI) a bar redrawn with carriage
     returns is one endless line, so tqdm prints a plain line every ~10% instead."""
     import sys
@@ -176,8 +176,8 @@ def progress(iterable, *, total: int, description: str):
 
     disable = os.environ.get("BDLM_PROGRESS", "1") == "0"
     if sys.stderr.isatty():
-        return tqdm(iterable, total=total, desc=description, mininterval=1.0, dynamic_ncols=True, disable=disable)
-    return tqdm(iterable, total=total, desc=description, mininterval=15.0, miniters=max(1, total // 10),
+        return tqdm(total=total, desc=description, mininterval=1.0, dynamic_ncols=True, disable=disable)
+    return tqdm(total=total, desc=description, mininterval=15.0, miniters=max(1, total // 10),
                 ncols=100, ascii=True, disable=disable, file=_LineWriter(sys.stderr))
 
 
