@@ -16,13 +16,8 @@ import optax
 
 from bd_core import ViewLayout
 from bd_data import ByteTokenizer, SortTask
-from bd_models import ModelConfig
-from bd_models import BlockDiffusionLM
-from bd_models import concat_layouts, sample
-from bd_models import SamplerConfig
-from bd_models import decode_completions
-from bd_train import build_replay
-from bd_train import token_logprobs
+from bd_models import BlockDiffusionLM, ModelConfig, SamplerConfig, concat_layouts, decode_completions, sample
+from bd_train import build_replay, token_logprobs
 from _report import write_results, write_section
 
 HEADLINE = ModelConfig(vocab_size=260, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=1024, block_size=4)

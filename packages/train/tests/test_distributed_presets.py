@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from bd_models import BlockDiffusionLM, make_mesh, param_partition_specs
+from bd_models import BlockDiffusionLM, init_sharded, make_mesh, param_partition_specs
 from bd_train.stages import Setup, parse_pipeline_config
 
 CONFIGS = Path(__file__).resolve().parents[3] / "flows" / "configs"
@@ -46,12 +46,8 @@ def test_8_accelerator_student_placed_on_devices():
     setup = _preset("scale_8accel.toml")
     mesh = _mesh(setup)
     config = setup.model_config("student")
-    shapes = eqx.filter_eval_shape(BlockDiffusionLM, config, key=jax.random.key(0))
-    shardings = jax.tree.map(lambda s: jax.NamedSharding(mesh, s), param_partition_specs(shapes, mesh),
-                             is_leaf=lambda x: isinstance(x, jax.P))
     # Built sharded: no device ever holds the whole model.
-    build = eqx.filter_jit(lambda k: jax.lax.with_sharding_constraint(BlockDiffusionLM(config, key=k), shardings))
-    model = build(jax.random.key(0))
+    model = init_sharded(lambda: BlockDiffusionLM(config, key=jax.random.key(0)), mesh)
     total = sum(x.nbytes for x in jax.tree.leaves(model))
     per_device = {}
     for x in jax.tree.leaves(model):
