@@ -9,7 +9,7 @@ export UV_NO_CONFIG := 1
 RUN := $(UV) run --no-sync
 PKG_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml)
 
-.PHONY: sync test run bench clean
+.PHONY: sync test lint run bench clean
 sync: .venv/.synced
 
 $(UV):
@@ -27,6 +27,11 @@ run: sync
 
 test: sync
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(RUN) pytest -q
+
+# ruff (style, imports, bugbear) and pyright (types), configured in pyproject.toml.
+lint: sync
+	$(RUN) ruff check .
+	$(RUN) pyright
 
 clean:
 	rm -rf .venv .tools

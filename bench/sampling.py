@@ -13,12 +13,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _report import write_results, write_section
 
 from bd_core import ViewLayout
 from bd_data import ByteTokenizer, SortTask
-from bd_models import BlockDiffusionLM, ModelConfig, SamplerConfig, concat_layouts, decode_completions, sample
-from bd_train import build_replay, token_logprobs
-from _report import write_results, write_section
+from bd_models import (
+    BlockDiffusionLM,
+    ModelConfig,
+    SamplerConfig,
+    SamplingDistribution,
+    concat_layouts,
+    decode_completions,
+    sample,
+    token_logprobs,
+)
+from bd_train import build_replay
 
 HEADLINE = ModelConfig(vocab_size=260, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=1024, block_size=4)
 TOK = ByteTokenizer()
@@ -37,8 +46,9 @@ def speed(results: dict) -> None:
     model = BlockDiffusionLM(HEADLINE, key=jax.random.key(0))
     rng = np.random.default_rng(0)
     prompts = (rng.integers(0, 256, (BATCH, PROMPT)).astype(np.int32), np.ones((BATCH, PROMPT), bool))
-    cfg = SamplerConfig(block_size=4, max_new_tokens=NEW, mask_id=TOK.mask_id, pad_id=TOK.pad_id, temperature=1.0,
-                        strategy="steps")  # one token per step: the same NFE for both paths
+    # one token per step: the same NFE for both paths
+    cfg = SamplerConfig(block_size=4, max_new_tokens=NEW, mask_id=TOK.mask_id, pad_id=TOK.pad_id,
+                        distribution=SamplingDistribution(temperature=1.0), strategy="steps")
     key = jax.random.key(1)
     cached_s, out = timed(lambda: sample(model, prompts, cfg, key=key))
     recompute_s, _ = timed(lambda: sample(model, prompts, cfg, key=key, use_cache=False))
@@ -48,8 +58,8 @@ def speed(results: dict) -> None:
                    commit_forwards_saved_by_folding=float(NEW // 4))
 
     replay = build_replay(out, mask_id=TOK.mask_id, num_views=NEW)
-    kwargs = cfg.distribution_kwargs()
-    packed = eqx.filter_jit(lambda m, batch: token_logprobs(m, batch, **kwargs)[0])
+    distribution = cfg.distribution
+    packed = eqx.filter_jit(lambda m, batch: token_logprobs(m, batch, distribution)[0])
     canvas = PROMPT + NEW
     layout = replay.batch.layout
     clean = jax.tree_util.tree_map(lambda a: a[:, :canvas], layout)
@@ -70,7 +80,8 @@ def speed(results: dict) -> None:
 
 def sort_data(task: SortTask, count: int, start: int, split: str):
     examples = [task.example(start + i, split) for i in range(count)]
-    prompt = np.stack([np.concatenate([np.full(8 - len(e.prompt), TOK.pad_id), TOK.encode(e.prompt)]) for e in examples])
+    prompt = np.stack([np.concatenate([np.full(8 - len(e.prompt), TOK.pad_id), TOK.encode(e.prompt)])
+                       for e in examples])
     valid = prompt != TOK.pad_id
     answer = np.stack([np.concatenate([TOK.encode(e.answer), [TOK.eos_id] * (8 - len(e.answer))]) for e in examples])
     return prompt.astype(np.int32), valid, answer.astype(np.int32), examples
@@ -124,8 +135,8 @@ def parallel_decoding(results: dict) -> list[tuple[str, float, float]]:
     settings = [(f"tau_{tau}", dict(strategy="threshold", threshold=tau)) for tau in (0.5, 0.7, 0.9)]
     settings.append(("one_per_step", dict(strategy="steps")))
     for name, extra in settings:
-        cfg = SamplerConfig(block_size=4, max_new_tokens=8, mask_id=TOK.mask_id, pad_id=TOK.pad_id, temperature=0.0,
-                            stop_ids=(TOK.eos_id,), **extra)
+        cfg = SamplerConfig(block_size=4, max_new_tokens=8, mask_id=TOK.mask_id, pad_id=TOK.pad_id,
+                            distribution=SamplingDistribution(temperature=0.0), stop_ids=(TOK.eos_id,), **extra)
         out = sample(model, (prompt, valid), cfg, key=jax.random.key(4))
         texts = decode_completions(TOK, out, stop_ids=cfg.stop_ids)
         accuracy = float(np.mean([task.is_correct(e, t) for e, t in zip(examples, texts)]))

@@ -14,15 +14,25 @@ import argparse
 import json
 import pathlib
 import time
+from typing import Any, cast
 
 import equinox as eqx
 import jax
 import numpy as np
-
-from bd_data import ByteTokenizer, CanvasConfig, CorruptionConfig, get_task, iterate, prompt_dataset, sft_dataset
-from bd_models import BlockDiffusionLM, ModelConfig, SamplerConfig, sample
-from bd_train import OptimizerConfig, Trainer, TrainerConfig, make_optimizer, sft_objective
 from _report import results_path, write_results, write_section
+
+from bd_data import (
+    ByteTokenizer,
+    CanvasConfig,
+    CorruptionConfig,
+    PromptBatch,
+    get_task,
+    iterate,
+    prompt_dataset,
+    sft_dataset,
+)
+from bd_models import BlockDiffusionLM, ModelConfig, SamplerConfig, SamplingDistribution, sample
+from bd_train import OptimizerConfig, Trainer, TrainerConfig, make_optimizer, sft_objective
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = results_path("sft_weighting")
@@ -64,9 +74,10 @@ class Evaluator:
         self.examples = [source[i] for i in range(n)]
         prompts = prompt_dataset(self.examples, tok, CANVAS, seed=0, batch_size=n, shard_index=0, shard_count=1,
                                  shuffle=False, num_epochs=1, drop_remainder=False)
-        self.prompts = prompts[0]
+        self.prompts = cast(PromptBatch, prompts[0])
         self.sampler = SamplerConfig(block_size=CANVAS.block_size, max_new_tokens=CANVAS.max_new_tokens,
-                                     mask_id=tok.mask_id, pad_id=tok.pad_id, temperature=0.0, strategy="threshold",
+                                     mask_id=tok.mask_id, pad_id=tok.pad_id, strategy="threshold",
+                                     distribution=SamplingDistribution(temperature=0.0),
                                      threshold=0.9, stop_ids=(tok.eos_id,))
         ce_data = sft_dataset(self.examples, tok, CANVAS, REFERENCE_CORRUPTION, seed=seed + 1,
                               batch_size=min(BATCH, n), shard_index=0, shard_count=1, shuffle=False, num_epochs=1)
@@ -86,7 +97,7 @@ class Evaluator:
 
 def run_setting(task, tok, name: str, *, steps: int, eval_every: int, eval_n: int, seed: int) -> dict[str, float]:
     weighting, t_min, t_max = SETTINGS[name]
-    corruption = CorruptionConfig(t_min=t_min, t_max=t_max, weighting=weighting)
+    corruption = CorruptionConfig(t_min=t_min, t_max=t_max, weighting=cast(Any, weighting))
     model_key, train_key = jax.random.split(jax.random.key(seed))
     model = BlockDiffusionLM(student_config(tok), key=model_key)
     optimizer = make_optimizer(OptimizerConfig(learning_rate=3e-3, schedule="cosine", warmup_steps=20,
@@ -194,7 +205,7 @@ def conclusion(results, runs, names, points, tie: float = 0.01) -> str:
     parts = []
     for run in runs:
         curve = {n: mean_acc(results, run, n, points) for n in names}
-        ranked = sorted(names, key=curve.get, reverse=True)
+        ranked = sorted(names, key=lambda n: curve[n], reverse=True)
         best = ranked[0]
         tied = [n for n in ranked[1:] if curve[best] - curve[n] < tie]
         order = "; ".join(f"{short(n)} {curve[n]:.1%} mean, {results[f'{run}.{n}.acc_step_{points[-1]}']:.1%} "
@@ -206,7 +217,7 @@ def conclusion(results, runs, names, points, tie: float = 0.01) -> str:
     task = runs[0].split("@")[0]
     primary = [run for run in runs if run.split("@")[0] == task]
     over_seeds = {n: float(np.mean([mean_acc(results, run, n, points) for run in primary])) for n in names}
-    ranked = sorted(names, key=over_seeds.get, reverse=True)
+    ranked = sorted(names, key=lambda n: over_seeds[n], reverse=True)
     parts.append(f"Mean acc on {task} averaged over its {len(primary)} seed(s): "
                  + "; ".join(f"{short(n)} {over_seeds[n]:.1%}" for n in ranked) + ". "
                  f"The default corruption should be the fastest setting on {task}, the task the pipeline trains by "
@@ -239,7 +250,7 @@ def contents(results: dict[str, float]) -> tuple[list[str], list[str], list[int]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps per setting (default 400)")
     parser.add_argument("--eval-every", type=int, default=100, help="steps between evaluations (default 100)")
     parser.add_argument("--eval-n", type=int, default=256, help="held-out prompts per evaluation (default 256)")

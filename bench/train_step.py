@@ -14,11 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _report import write_results, write_section
 
 from bd_core import ViewLayout
 from bd_models import BlockDiffusionLM, ModelConfig, model_flops
-from _report import write_results, write_section
-
 
 HEADLINE = ModelConfig(vocab_size=260, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=1024, block_size=4,
                        attention="blocked", compute_dtype="float32", param_dtype="float32")
@@ -89,10 +88,12 @@ def run(config: ModelConfig, length: int, steps: int) -> dict[str, float]:
     layout, targets, weights = sft_batch(config, batch, length // 2)
     model = BlockDiffusionLM(config, key=jax.random.key(0))
     optimizer = optax.adamw(3e-4, weight_decay=0.01)
-    opt_state = optimizer.init(model)
+    opt_state = optimizer.init(model)  # pyright: ignore[reportArgumentType]  (a Module is a pytree of params)
     step = make_step(optimizer)
     compiled = step.lower(model, opt_state, layout, targets, weights).compile()
-    temp_bytes = compiled.memory_analysis().temp_size_in_bytes
+    memory = compiled.memory_analysis()
+    assert memory is not None, "this backend reports no memory analysis"
+    temp_bytes = memory.temp_size_in_bytes
     seconds, _ = median_time(step, model, opt_state, layout, targets, weights, steps=steps)
     flops = model_flops(config, layout)
     return {"step_s": seconds, "temp_mb": temp_bytes / 2**20, "train_flops": flops["train_step"],

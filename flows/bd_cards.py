@@ -4,8 +4,9 @@ completions and one denoising trace; the end step's summary table."""
 from collections.abc import Mapping
 from typing import Any
 
-from bd_train.stages import StageResult
 from metaflow.cards import Image, Markdown, Table
+
+from bd_train.stages import StageResult
 
 
 def stage_card(card: Any, result: StageResult) -> None:
@@ -13,17 +14,19 @@ def stage_card(card: Any, result: StageResult) -> None:
     card.append(Markdown(f"# {result.stage}\ncheckpoint `{result.checkpoint_dir}` at step {result.step}"))
     if result.curves_png:
         card.append(Image(result.curves_png, label="training curves"))
-    if result.evaluation:
-        card.append(Markdown("## Held-out evaluation"))
-        card.append(Table([[k, f"{v:.4g}" if isinstance(v, float) else str(v)] for k, v in result.evaluation.items()],
-                          headers=["metric", "value"]))
-    if result.samples:
+    evaluation = result.evaluation
+    if evaluation is None:
+        return
+    card.append(Markdown("## Held-out evaluation"))
+    card.append(Table([[k, f"{v:.4g}" if isinstance(v, float) else str(v)] for k, v in evaluation.metrics().items()],
+                      headers=["metric", "value"]))
+    if evaluation.samples:
         card.append(Markdown("## Sample completions"))
-        card.append(Table([[s["prompt"], s["answer"], s["completion"], f"{s['reward']:.2f}"] for s in result.samples],
+        card.append(Table([[s.prompt, s.answer, s.completion, f"{s.reward:.2f}"] for s in evaluation.samples],
                           headers=["prompt", "answer", "completion", "reward"]))
-    if result.trace_png:
+    if evaluation.trace_png:
         card.append(Markdown("## One denoising trace (blue: committed at that step; grey: still masked)"))
-        card.append(Image(result.trace_png, label="denoising trace"))
+        card.append(Image(evaluation.trace_png, label="denoising trace"))
 
 
 def summary_card(card: Any, summary: Mapping[str, Mapping[str, Any]]) -> None:

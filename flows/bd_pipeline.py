@@ -27,7 +27,8 @@ os.environ.setdefault("WANDB_MODE", "offline" if not os.environ.get("WANDB_API_K
 # Local @parallel starts the extra nodes with `python` from PATH: make that this interpreter.
 os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
-from metaflow import Config, FlowSpec, card, current, parallel, step  # noqa: E402
+# `card` and `parallel` are attached to the package at import time (metaflow's plugins): not seen statically
+from metaflow import Config, FlowSpec, card, current, parallel, step  # noqa: E402  # pyright: ignore[reportAttributeAccessIssue]
 from metaflow.exception import MetaflowException  # noqa: E402
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "default.toml")
@@ -65,11 +66,13 @@ def _stage_call(fn, *args, **kwargs):
 def process_group(config):
     """Join this `@parallel` node to the stage's JAX process group (a no-op group for one node),
     with the mesh's share of devices per node as CPU devices when running on CPUs."""
-    from bd_train.distributed import ProcessGroup, initialize, shutdown
+    from bd_nodes import process_group as group_of
+
+    from bd_train.distributed import initialize, shutdown
     from bd_train.stages import pipeline_config
 
     mesh = pipeline_config(config).mesh
-    group = ProcessGroup.from_metaflow(current.parallel, run_id=str(current.run_id))
+    group = group_of(current.parallel, run_id=str(current.run_id))  # pyright: ignore[reportAttributeAccessIssue]
     initialize(group, cpu_devices=mesh.devices // mesh.num_nodes, timeout_s=300)
     yield group
     # Only after success: a failed node must not wait at the shutdown barrier for nodes that are
@@ -85,14 +88,15 @@ class BDPipeline(FlowSpec):
     config = Config("config", default=DEFAULT_CONFIG, parser=parse_config,
                     help="a TOML preset (flows/configs/); validated before anything runs")
 
-    def _run_on_nodes(self, stage_fn, card_id, **kwargs):
+    def _run_on_nodes(self, stage_fn, card_id, stage, **kwargs):
         """Run a stage on this `@parallel` node inside the stage's process group; fill its card."""
         from bd_cards import stage_card
+        from bd_nodes import fail_after
 
         with process_group(self.config) as group:
             self.node_index = group.process_id
-            result = _stage_call(stage_fn, self.config, self.context, **kwargs)
-        stage_card(current.card[card_id], result)
+            result = _stage_call(stage_fn, self.config, self.where, fail_after=fail_after(stage), **kwargs)
+        stage_card(current.card[card_id], result)  # pyright: ignore[reportAttributeAccessIssue]
         return result
 
     def _keep_node_zero(self, inputs, name):
@@ -103,11 +107,10 @@ class BDPipeline(FlowSpec):
 
     @step
     def start(self):
-        from bd_train.stages import PipelineContext
+        from bd_train.stages import RunDir
 
-        self.context = PipelineContext.create(self.config, run_id=current.origin_run_id or current.run_id,
-                                              flow_name=current.flow_name)
-        print(f"run folder: {self.context.run_dir}")
+        self.where = RunDir.create(self.config, run_id=str(current.origin_run_id or current.run_id))
+        print(f"run folder: {self.where.run_dir}")
         self.roles = ["teacher", "student"]
         self.next(self.sft_launch, foreach="roles")
 
@@ -122,7 +125,7 @@ class BDPipeline(FlowSpec):
     def sft(self):
         from bd_train.stages import run_sft
 
-        self.result = self._run_on_nodes(run_sft, "sft", role=self.role)
+        self.result = self._run_on_nodes(run_sft, "sft", f"sft-{self.role}", role=self.role)
         self.next(self.sft_nodes)
 
     @step
@@ -134,7 +137,7 @@ class BDPipeline(FlowSpec):
     def join(self, inputs):
         from bd_train.stages import check_distillation_pair
 
-        self.context = inputs[0].context
+        self.where = inputs[0].where
         self.sft_results = {inp.role: inp.result for inp in inputs}
         _stage_call(check_distillation_pair, self.sft_results["teacher"], self.sft_results["student"])
         self.next(self.opd_launch)
@@ -149,7 +152,7 @@ class BDPipeline(FlowSpec):
     def opd(self):
         from bd_train.stages import run_opd
 
-        self.opd_result = self._run_on_nodes(run_opd, "opd", teacher=self.sft_results["teacher"],
+        self.opd_result = self._run_on_nodes(run_opd, "opd", "opd", teacher=self.sft_results["teacher"],
                                              student=self.sft_results["student"])
         self.next(self.opd_nodes)
 
@@ -168,7 +171,7 @@ class BDPipeline(FlowSpec):
     def grpo(self):
         from bd_train.stages import run_grpo
 
-        self.grpo_result = self._run_on_nodes(run_grpo, "grpo", start=self.opd_result)
+        self.grpo_result = self._run_on_nodes(run_grpo, "grpo", "grpo", start=self.opd_result)
         self.next(self.grpo_nodes)
 
     @step
@@ -180,6 +183,7 @@ class BDPipeline(FlowSpec):
     @step
     def end(self):
         from bd_cards import summary_card
+
         from bd_train.stages import summarize
 
         self.summary = summarize({
@@ -187,9 +191,9 @@ class BDPipeline(FlowSpec):
             "student_sft": self.sft_results["student"],
             "student_opd": self.opd_result,
             "student_grpo": self.grpo_result,
-        }, self.context)
-        summary_card(current.card["summary"], self.summary)
+        }, self.where)
+        summary_card(current.card["summary"], self.summary)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 if __name__ == "__main__":
-    sys.exit(BDPipeline())
+    BDPipeline()

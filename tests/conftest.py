@@ -22,9 +22,7 @@ class FlowRuns:
         then `resume` it; returns the resumed run and the failed run's id."""
         from metaflow import Runner
 
-        from bd_train.stages import FAULT_ENV
-
-        env = self.env(**{FAULT_ENV: fault})
+        env = self.env(BDLM_FAIL_AFTER=fault)  # flows/bd_nodes.py: the stage fails after saving that step
         with Runner(FLOW, show_output=False, cwd=str(cwd), env=env, config=[("config", str(preset))]).run(
                 max_workers=2) as failed:
             assert failed.status == "failed", failed.stdout[-3000:] + failed.stderr[-3000:]

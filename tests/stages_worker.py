@@ -5,6 +5,7 @@ run on 8 devices. Both write the stages' histories and evaluations to `<dir>/sta
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -28,25 +29,25 @@ def config(mesh: str = MESH) -> dict:
 
 def run_stages(directory: Path, run_id: str = "mesh") -> dict:
     """Every stage in `directory` (checkpoints and W&B under its runs/); returns the results."""
-    from bd_train.stages import PipelineContext, run_grpo, run_opd, run_sft
+    from bd_train.stages import RunDir, run_grpo, run_opd, run_sft
 
     cwd = os.getcwd()
     os.chdir(directory)
     try:
         sharded = config()
-        context = PipelineContext.create(sharded, run_id=run_id)
-        teacher = run_sft(sharded, context, role="teacher")
-        student = run_sft(sharded, context, role="student")
-        opd = run_opd(sharded, context, teacher=teacher, student=student)
-        grpo = run_grpo(sharded, context, start=opd)
+        where = RunDir.create(sharded, run_id=run_id)
+        teacher = run_sft(sharded, where, role="teacher")
+        student = run_sft(sharded, where, role="student")
+        opd = run_opd(sharded, where, teacher=teacher, student=student)
+        grpo = run_grpo(sharded, where, start=opd)
     finally:
         os.chdir(cwd)
     return {"teacher": teacher, "student": student, "opd": opd, "grpo": grpo}
 
 
 def summary(results: dict) -> dict:
-    return {name: {"step": r.step, "history": r.history, "evaluation": r.evaluation, "samples": r.samples}
-            for name, r in results.items()}
+    return {name: {"step": r.step, "history": r.history, "evaluation": r.evaluation.metrics(),
+                   "samples": [dataclasses.asdict(s) for s in r.evaluation.samples]} for name, r in results.items()}
 
 
 if __name__ == "__main__":

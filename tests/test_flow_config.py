@@ -78,20 +78,20 @@ def test_bad_input_to_the_flow_is_one_clear_message(tmp_path, write, expected):
 
 
 def test_identity_pins_what_the_model_computes_not_how():
-    from bd_train.stages import Setup
+    from bd_train.stages import Run
 
     base = (ROOT / "flows" / "configs" / "smoke.toml").read_text()
-    identity = Setup(parse_pipeline_config(base)).identity("student")
-    how = Setup(parse_pipeline_config(base.replace("[student]\n", "[student]\nattention = 'dense'\nremat = 'full'\n")))
+    identity = Run(parse_pipeline_config(base)).identity("student")
+    how = Run(parse_pipeline_config(base.replace("[student]\n", "[student]\nattention = 'dense'\nremat = 'full'\n")))
     assert how.identity("student").digest == identity.digest
-    wider = Setup(parse_pipeline_config(base.replace("[student]\nd_model = 16", "[student]\nd_model = 32")))
+    wider = Run(parse_pipeline_config(base.replace("[student]\nd_model = 16", "[student]\nd_model = 32")))
     assert set(wider.identity("student").diff(identity)) == {"architecture"}
 
 
 def test_rollout_semantics_pin_the_sampling_distribution():
-    from bd_train.stages import Setup
+    from bd_train.stages import Run
 
-    setup = Setup(parse_pipeline_config((ROOT / "flows" / "configs" / "smoke.toml").read_text()))
+    setup = Run(parse_pipeline_config((ROOT / "flows" / "configs" / "smoke.toml").read_text()))
     grpo = setup.config.grpo.sampler
     hotter = setup.rollout_semantics(dataclasses.replace(grpo, temperature=1.5))
     assert set(hotter.diff(setup.rollout_semantics(grpo))) == {"temperature"}

@@ -7,9 +7,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bd_train import Checkpointer
-from bd_train.stages import Setup, parse_pipeline_config
-from bd_train._stage_run import fresh_state
+from bd_train import Checkpointer, make_optimizer
+from bd_train.stages import Run, parse_pipeline_config
 
 PRESET = Path(__file__).resolve().parents[1] / "flows" / "configs" / "scale_multihost.toml"
 
@@ -30,14 +29,14 @@ def test_every_stage_runs_across_two_nodes_and_resumes(tmp_path, flow_runs):
                 assert [r["step"] for r in results[0].history] == [4]
             # one global computation: both nodes report the same losses and held-out numbers
             assert [r["loss"] for r in results[0].history] == [r["loss"] for r in results[1].history]
-            assert results[0].evaluation == results[1].evaluation
+            assert results[0].evaluation.metrics() == results[1].evaluation.metrics()
 
     summary = run["end"].task["summary"].data
     assert list(summary) == ["teacher_sft", "student_sft", "student_opd", "student_grpo"]
     grpo = run["grpo_nodes"].task["grpo_result"].data
-    setup = Setup(cfg)
-    _, target = fresh_state(setup.model_config("student"), setup.optimizer_config(setup.config.grpo.optim, 4),
-                            key=jax.random.key(0))
+    setup = Run(cfg)
+    optimizer = make_optimizer(setup.optimizer_config(setup.config.grpo.optim, 4))
+    target = setup.fresh_state(setup.model_config("student"), optimizer, key=jax.random.key(0))
     with Checkpointer(grpo.checkpoint_dir, create=False) as checkpoints:  # saved by both nodes, restored by one
         restored = checkpoints.restore(target)
     assert int(restored.step) == grpo.step

@@ -18,9 +18,8 @@ import jax
 import pytest
 from metaflow import Runner
 
-from bd_train import Checkpointer
-from bd_train.stages import Setup, parse_pipeline_config
-from bd_train._stage_run import fresh_state
+from bd_train import Checkpointer, make_optimizer
+from bd_train.stages import Run, parse_pipeline_config
 
 SMOKE = Path(__file__).resolve().parents[1] / "flows" / "configs" / "smoke.toml"
 
@@ -128,9 +127,9 @@ def test_first_grpo_update_has_ratio_one(resumed_run):
 def test_teacher_with_another_block_size_fails_closed_at_the_join(tmp_path, flow_runs):
     # A real SFT checkpoint of a teacher trained with block size 8.
     text = SMOKE.read_text().replace("block_size = 4", "block_size = 8")
-    other = Setup(parse_pipeline_config(text))
-    _, state = fresh_state(other.model_config("teacher"), other.optimizer_config(other.config.sft.optim, 10),
-                           key=jax.random.key(0))
+    other = Run(parse_pipeline_config(text))
+    optimizer = make_optimizer(other.optimizer_config(other.config.sft.optim, 10))
+    state = other.fresh_state(other.model_config("teacher"), optimizer, key=jax.random.key(0))
     teacher_dir = tmp_path / "teacher-b8"
     with Checkpointer(teacher_dir) as checkpoints:
         checkpoints.save(state, fingerprints={"identity": other.identity("teacher")})

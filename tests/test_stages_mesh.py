@@ -31,7 +31,7 @@ worker = _worker()
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory):
     from bd_train.distributed import free_port
-    from bd_train.stages import PipelineContext, run_sft
+    from bd_train.stages import RunDir, run_sft
 
     group_dir = tmp_path_factory.mktemp("group")
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "WANDB_MODE": "offline", "BDLM_PROGRESS": "0"}
@@ -46,7 +46,7 @@ def stages(tmp_path_factory):
             single_dir = tmp_path_factory.mktemp("single")
             patch.chdir(single_dir)
             single = worker.config("data = 1")
-            reference = run_sft(single, PipelineContext.create(single, run_id="single"), role="student")
+            reference = run_sft(single, RunDir.create(single, run_id="single"), role="student")
         outputs = [proc.communicate(timeout=900)[0] for proc in group]
     finally:
         for proc in group:
@@ -69,7 +69,7 @@ def test_opd_and_grpo_run_sharded_with_exact_replay(stages):
     assert grpo.step == 8
     for row in grpo.history:
         assert abs(row["ratio_first_update"] - 1.0) <= 1e-5 and row["clip_fraction_first_update"] == 0.0
-    assert 0.0 <= grpo.evaluation["accuracy"] <= 1.0 and grpo.evaluation["n"] == 16
+    assert 0.0 <= grpo.evaluation.accuracy <= 1.0 and grpo.evaluation.n == 16
 
 
 def test_two_processes_run_every_stage_like_one(stages):

@@ -62,7 +62,8 @@ def test_layout_errors_name_the_field(field, bad, message):
         (dict(weights=np.full((B, T), np.nan, np.float32)), r"DiffusionTokenBatch\.weights: expected finite"),
         (dict(weights=-np.ones((B, T), np.float32)), r"DiffusionTokenBatch\.weights: expected values >= 0"),
         (dict(denom_weights=-np.ones((B, T), np.float32)), r"DiffusionTokenBatch\.denom_weights: expected values"),
-        (dict(targets=np.full((B, T), V, np.int32)), r"DiffusionTokenBatch\.targets: active targets must be < vocab_size=11"),
+        (dict(targets=np.full((B, T), V, np.int32)),
+         r"DiffusionTokenBatch\.targets: active targets must be < vocab_size=11"),
         (dict(targets=-np.ones((B, T), np.int32)), r"DiffusionTokenBatch\.targets: active targets must be >= 0"),
     ],
 )
@@ -108,13 +109,15 @@ def test_batch_passes_through_jit_and_vmap_with_static_checks():
     np.testing.assert_allclose(sums, [3.0, 3.0])
 
     with pytest.raises(ContractError, match=r"targets: expected an integer dtype"):
-        jax.jit(lambda b: DiffusionTokenBatch(b.layout, b.targets.astype(jnp.float32), b.weights, b.denom_weights).validate())(batch)
+        jax.jit(lambda b: DiffusionTokenBatch(b.layout, b.targets.astype(jnp.float32), b.weights,
+                                              b.denom_weights).validate())(batch)
 
 
 def test_distillation_batch_requires_target_aligned_logits():
     batch = make_batch()
     DistillationBatch.create(batch, np.zeros((B, T, V), np.float32))
-    with pytest.raises(ContractError, match=r"DistillationBatch\.teacher_logits: expected target-aligned shape \(2, 6, V\)"):
+    with pytest.raises(ContractError,
+                       match=r"DistillationBatch\.teacher_logits: expected target-aligned shape \(2, 6, V\)"):
         DistillationBatch.create(batch, np.zeros((B, T - 1, V), np.float32))
     with pytest.raises(ContractError, match=r"DistillationBatch\.teacher_logits: expected rank 3"):
         DistillationBatch.create(batch, np.zeros((B, T), np.float32))

@@ -40,7 +40,8 @@ def test_any_unequal_split_reduces_to_the_whole_batch(case):
 def test_stacked_buffer_equals_list_buffer():
     num, den = jnp.array([1.0, 2.0, 3.0]), jnp.array([2.0, 0.5, 4.0])
     stacked = reduce_metrics({"m": WeightedMetric(num, den), "p": jnp.array([1.0, 2.0, 6.0])})
-    listed = reduce_metrics([{"m": WeightedMetric(n, d), "p": p} for n, d, p in zip(num, den, jnp.array([1.0, 2.0, 6.0]))])
+    listed = reduce_metrics([{"m": WeightedMetric(n, d), "p": p}
+                             for n, d, p in zip(num, den, jnp.array([1.0, 2.0, 6.0]))])
     np.testing.assert_allclose(stacked["m"], 6.0 / 6.5, rtol=1e-6)
     np.testing.assert_allclose(listed["m"], stacked["m"], rtol=1e-6)
     np.testing.assert_allclose(stacked["p"], 3.0)

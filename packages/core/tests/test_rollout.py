@@ -8,17 +8,15 @@ import pytest
 
 from bd_core import (
     ContractError,
-    DiffusionTokenBatch,
     DiffusionTrace,
     RolloutOutput,
-    ViewLayout,
     merge_rollouts,
 )
 
-P, N, S, BLOCK = 4, 4, 3, 2
+P, N, R, BLOCK = 4, 4, 3, 2
 
 
-def make_trace(rows, *, steps=S):
+def make_trace(rows, *, steps=R):
     committed = np.zeros((rows, steps, BLOCK), bool)
     committed[:, 0, 0] = committed[:, 1, 1] = True
     return DiffusionTrace(
@@ -30,17 +28,7 @@ def make_trace(rows, *, steps=S):
     )
 
 
-def make_batch(rows):
-    t = 6
-    layout = ViewLayout.create(
-        tokens=np.zeros((rows, t), np.int32), positions=np.tile(np.arange(t), (rows, 1)),
-        block_ids=np.zeros((rows, t), np.int32), view_ids=np.zeros((rows, t), np.int32),
-        valid=np.ones((rows, t), bool),
-    )
-    return DiffusionTokenBatch.create(layout, np.zeros((rows, t), np.int32), np.ones((rows, t), np.float32))
-
-
-def make_rollout(rows, *, trace=True, batch=False, seed=0):
+def make_rollout(rows, *, trace=True, seed=0):
     rng = np.random.default_rng(seed)
     return RolloutOutput(
         prompt_tokens=rng.integers(0, 9, (rows, P)).astype(np.int32),
@@ -49,27 +37,20 @@ def make_rollout(rows, *, trace=True, batch=False, seed=0):
         completion_valid=np.ones((rows, N), bool),
         nfe=np.full((rows,), 2, np.int32),
         trace=make_trace(rows) if trace else None,
-        batch=make_batch(rows) if batch else None,
     ).validate()
 
 
 def test_merge_concatenates_every_field_on_the_batch_axis():
-    parts = [make_rollout(2, batch=True, seed=0), make_rollout(3, batch=True, seed=1)]
+    parts = [make_rollout(2, seed=0), make_rollout(3, seed=1)]
     merged = merge_rollouts(parts).validate()
     assert merged.batch_size == 5
     np.testing.assert_array_equal(merged.completion_tokens[2:], parts[1].completion_tokens)
     np.testing.assert_array_equal(merged.trace.logprobs[:2], parts[0].trace.logprobs)
-    assert merged.batch.shape == (5, 6)
 
 
 def test_merge_refuses_a_trace_in_some_shards_only():
     with pytest.raises(ContractError, match=r"field 'trace' is present in some shards but missing in shard\(s\) \[1\]"):
         merge_rollouts([make_rollout(2), make_rollout(2, trace=False)])
-
-
-def test_merge_refuses_a_batch_in_some_shards_only():
-    with pytest.raises(ContractError, match=r"field 'batch' is present in some shards but missing in shard\(s\) \[0\]"):
-        merge_rollouts([make_rollout(2), make_rollout(2, batch=True)])
 
 
 def test_merge_refuses_rows_that_disagree_with_the_batch_size():
@@ -100,13 +81,13 @@ def test_merge_refuses_empty_and_foreign_shards():
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("committed", np.zeros((2, S, BLOCK), np.int32), r"DiffusionTrace\.committed: expected dtype bool"),
-        ("tokens", np.zeros((2, S, BLOCK + 1), np.int32), r"DiffusionTrace\.tokens: expected shape"),
-        ("logprobs", np.zeros((2, S, BLOCK), np.int32), r"DiffusionTrace\.logprobs: expected a floating dtype"),
-        ("step_valid", np.zeros((2, S + 1), bool), r"DiffusionTrace\.step_valid: expected shape"),
+        ("committed", np.zeros((2, R, BLOCK), np.int32), r"DiffusionTrace\.committed: expected dtype bool"),
+        ("tokens", np.zeros((2, R, BLOCK + 1), np.int32), r"DiffusionTrace\.tokens: expected shape"),
+        ("logprobs", np.zeros((2, R, BLOCK), np.int32), r"DiffusionTrace\.logprobs: expected a floating dtype"),
+        ("step_valid", np.zeros((2, R + 1), bool), r"DiffusionTrace\.step_valid: expected shape"),
         ("block_ids", np.zeros((2,), np.int32), r"DiffusionTrace\.block_ids: expected rank 2"),
-        ("logprobs", np.full((2, S, BLOCK), 0.5, np.float32), r"committed log-probs must be finite and <= 0"),
-        ("step_valid", np.zeros((2, S), bool), r"committed in a step that step_valid marks invalid"),
+        ("logprobs", np.full((2, R, BLOCK), 0.5, np.float32), r"committed log-probs must be finite and <= 0"),
+        ("step_valid", np.zeros((2, R), bool), r"committed in a step that step_valid marks invalid"),
     ],
 )
 def test_trace_errors_name_the_field(field, value, message):

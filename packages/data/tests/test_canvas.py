@@ -2,12 +2,21 @@
 
 import numpy as np
 import pytest
-from bd_core import attention_allowed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bd_data import (ByteTokenizer, Canvas, CanvasConfig, CanvasOverflow, CorruptionConfig, build_canvas, corrupt,
-                     fit_to_canvas, prompt_canvas)
+from bd_core import ConfigError, attention_allowed
+from bd_data import (
+    ByteTokenizer,
+    Canvas,
+    CanvasConfig,
+    CanvasOverflow,
+    CorruptionConfig,
+    build_canvas,
+    corrupt,
+    fit_to_canvas,
+    prompt_canvas,
+)
 
 TOK = ByteTokenizer()
 
@@ -19,8 +28,8 @@ def canvases(draw):
                           block_size=b, policy=draw(st.sampled_from(["block_aligned", "contiguous"])))
     rows = draw(st.integers(1, 4))
     ids = st.integers(0, 255)
-    examples = [(draw(st.lists(ids, max_size=config.prompt_len)), draw(st.lists(ids, max_size=config.max_new_tokens - 1)))
-                for _ in range(rows)]
+    examples = [(draw(st.lists(ids, max_size=config.prompt_len)),
+                 draw(st.lists(ids, max_size=config.max_new_tokens - 1))) for _ in range(rows)]
     corruption = CorruptionConfig(t_min=draw(st.sampled_from([0.05, 0.5])), t_max=1.0,
                                   schedule=draw(st.sampled_from(["linear", "cosine"])),
                                   weighting=draw(st.sampled_from(["elbo", "none"])), stratified=draw(st.booleans()))
@@ -112,13 +121,16 @@ def test_overflow_and_policies():
 
 
 def test_config_errors_name_field_and_fix():
-    with pytest.raises(ValueError, match=r"prompt_len=6 is not a multiple of block_size=4; round it up to 8"):
+    with pytest.raises(ConfigError, match=r"CanvasConfig.prompt_len: expected a multiple of block_size=4, got 6; "
+                                          r"round it up to 8"):
         CanvasConfig(prompt_len=6, max_new_tokens=8, block_size=4)
-    with pytest.raises(ValueError, match=r"CanvasConfig.policy"):
+    with pytest.raises(ConfigError, match=r"CanvasConfig.policy"):
         CanvasConfig(policy="packed")
-    with pytest.raises(ValueError, match=r"CanvasConfig.block_size: expected a positive int"):
+    with pytest.raises(ConfigError, match=r"CanvasConfig.block_size: expected a positive int"):
         CanvasConfig(block_size=0)
-    with pytest.raises(ValueError, match=r"0 < t_min <= t_max <= 1.*t_min=0.0"):
+    with pytest.raises(ConfigError, match=r"CorruptionConfig.t_min: expected 0 < t_min <= t_max <= 1.*got 0.0"):
         CorruptionConfig(t_min=0.0)
-    with pytest.raises(ValueError, match=r"CorruptionConfig.weighting"):
+    with pytest.raises(ConfigError, match=r"CorruptionConfig.t_max: expected 0 < t_min <= t_max <= 1.*got 0.2"):
+        CorruptionConfig(t_min=0.5, t_max=0.2)
+    with pytest.raises(ConfigError, match=r"CorruptionConfig.weighting"):
         CorruptionConfig(weighting="1/t")

@@ -3,8 +3,7 @@
 import numpy as np
 import pytest
 
-import bd_data._corruption as corruption_module
-from bd_data import ByteTokenizer, CanvasConfig, CorruptionConfig, build_canvas, corrupt, sample_t
+from bd_data import DEFAULT_CORRUPTION, ByteTokenizer, CanvasConfig, CorruptionConfig, build_canvas, corrupt, sample_t
 
 TOK = ByteTokenizer()
 
@@ -86,8 +85,8 @@ def test_elbo_constant_loss_estimate_and_at_least_one_bias(t_range):
     expected = c * _bias_factor(*t_range, b)
     assert abs(estimate - expected) < 5 * stderr
     assert abs(estimate - c) > 5 * stderr  # the bias is real for small blocks...
-    # ...and the module docstring states the factor it measures.
-    doc = corruption_module.__doc__.replace("\n", " ")
+    # ...and corrupt's docstring states the factor it measures.
+    doc = corrupt.__doc__.replace("\n", " ")
     stated = {(0.1, 1.0): "1.164", (0.3, 0.8): "1.042", (1e-3, 1.0): "2.21"}[t_range]
     assert stated in doc and abs(float(stated) - _bias_factor(*t_range, b)) < 6e-3
 
@@ -118,6 +117,6 @@ def test_none_weighting_is_exactly_the_constant():
 
 def test_default_is_the_measured_choice():
     # Plain mean CE over masked tokens on a clipped t range (ENVIRONMENT.md), and the config default.
-    default = corruption_module.DEFAULT_CORRUPTION
+    default = DEFAULT_CORRUPTION
     assert default == CorruptionConfig()
     assert (default.weighting, default.t_min, default.t_max) == ("none", 0.1, 1.0)

@@ -45,7 +45,8 @@ def test_overlong_policies(tmp_path):
     long_prompt = b'{"prompt": "123456789+1=", "completion": "x"}\n'
     long_answer = b'{"prompt": "q=", "completion": "abcdefghij"}\n'
     path = _write(tmp_path, GOOD, long_prompt, GOOD, long_answer)
-    with pytest.raises(JsonlError, match=rf"^{re.escape(str(path))}:2: prompt has 12 tokens but CanvasConfig.prompt_len=8.*'truncate'"):
+    with pytest.raises(JsonlError, match=rf"^{re.escape(str(path))}:2: prompt has 12 tokens but "
+                                         r"CanvasConfig.prompt_len=8.*'truncate'"):
         load_jsonl(path, tokenizer=TOK, canvas=CANVAS)
 
     skipped = load_jsonl(path, tokenizer=TOK, canvas=CANVAS, overlong="skip")

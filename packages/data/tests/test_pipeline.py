@@ -1,15 +1,24 @@
 """grain pipelines: determinism, save/restore to the identical next batch (also through Orbax),
 process sharding, prompt batches and worker processes."""
 
+import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-import grain
-from bd_core import DiffusionTokenBatch
 
-from bd_data import (ByteTokenizer, CanvasConfig, CorruptionConfig, PromptBatch, get_task, iterate, prompt_canvas,
-                     prompt_dataset, sft_dataset)
+from bd_core import DiffusionTokenBatch
+from bd_data import (
+    ByteTokenizer,
+    CanvasConfig,
+    CorruptionConfig,
+    PromptBatch,
+    get_task,
+    iterate,
+    prompt_canvas,
+    prompt_dataset,
+    sft_dataset,
+)
 
 TOK = ByteTokenizer()
 CANVAS = CanvasConfig(prompt_len=16, max_new_tokens=8, block_size=4)
@@ -82,7 +91,8 @@ def test_shards_partition_the_source():
     assert sorted(np.concatenate(parts)) == list(range(50))
     assert all(len(set(a) & set(b)) == 0 for i, a in enumerate(parts) for b in parts[i + 1:])
     default = prompt_dataset(SOURCE, TOK, CANVAS, seed=0, batch_size=4, shuffle=False)  # JAX process 0 of 1
-    assert _same(default[0].tokens, prompt_dataset(SOURCE, TOK, CANVAS, seed=0, batch_size=4, shuffle=False, **SHARD)[0].tokens)
+    sharded = prompt_dataset(SOURCE, TOK, CANVAS, seed=0, batch_size=4, shuffle=False, **SHARD)
+    assert _same(default[0].tokens, sharded[0].tokens)
     with pytest.raises(ValueError, match="shard_index < shard_count"):
         prompt_dataset(SOURCE, TOK, CANVAS, seed=0, batch_size=4, shard_index=3, shard_count=3)
 

@@ -4,7 +4,9 @@ import time
 
 import pytest
 
+from bd_core import ConfigError
 from bd_data import DEFAULT_TASK, PARTIAL_CREDIT, TASKS, ByteTokenizer, Example, get_task
+
 
 def _reference(name, prompt):
     """Answers recomputed from the prompt text alone."""
@@ -47,11 +49,11 @@ def test_difficulty_params_and_registry_errors():
     assert DEFAULT_TASK in TASKS
     assert len(get_task("sort", length=9).example(0).answer) == 9
     assert len(get_task("addition", digits=5).example(0).prompt) == 12
-    with pytest.raises(ValueError, match=r"unknown task 'mul'.*addition"):
+    with pytest.raises(ConfigError, match=r"^task: expected one of \[.*'addition'.*\], got 'mul'"):
         get_task("mul")
-    with pytest.raises(ValueError, match=r"no parameter\(s\) \['digits'\].*length"):
+    with pytest.raises(ConfigError, match=r"SortTask.digits: expected a parameter of task 'sort' \(one of .*'length'"):
         get_task("sort", digits=3)
-    with pytest.raises(ValueError, match=r"SortTask.length: expected an int in \[2, 16\]"):
+    with pytest.raises(ConfigError, match=r"SortTask.length: expected an int in \[2, 16\]"):
         get_task("sort", length=1)
     with pytest.raises(ValueError, match="split"):
         get_task("sort").example(0, "test")

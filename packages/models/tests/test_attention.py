@@ -1,13 +1,14 @@
-"""The mask rule and the attention implementations: `blocked` equals `dense`, and the mask holds
-through gradients (no gradient from a query to a token it may not see; non-zero to those it may)."""
+"""Key tiles cover the mask rule, the attention implementations agree (`blocked` equals `dense`),
+and the mask holds through gradients (no gradient from a query to a token it may not see; non-zero
+to those it may). The rule itself is proven in bd_core's tests."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bd_core import attention_allowed
-from bd_models import BlockDiffusionLM, ModelConfig, TokenMeta, allowed, tile_needed
+from bd_core import TokenMeta, allowed, attention_allowed
+from bd_models import BlockDiffusionLM, ModelConfig, tile_needed
 
 CONFIG = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, block_size=4,
                      q_tile=8, k_tile=8)
@@ -18,11 +19,10 @@ def _rel(a, b) -> float:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_allowed_is_bd_core_rule_and_tiles_cover_it(layouts, seed):
+def test_tiles_cover_the_rule(layouts, seed):
     layout = layouts(seed, views_per_block=2).layout
     meta = TokenMeta.from_layout(layout)
     mask = np.asarray(allowed(meta, meta))
-    np.testing.assert_array_equal(mask, np.asarray(attention_allowed(layout)))
     tile, t = 8, layout.shape[1]
     padded = meta.pad_to(-(-t // tile) * tile)
     need = np.asarray(tile_needed(padded, padded, tile, tile))

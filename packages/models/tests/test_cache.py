@@ -40,7 +40,7 @@ def test_cached_logits_equal_packed(layouts, seed, attention):
     _close(logits, full[:, prompt], layout.valid[:, prompt])
 
     previous = None
-    for view_id, block, start in packed.views:
+    for _view_id, block, start in packed.views:
         noisy = np.arange(start, start + b)
         if previous is None:  # the first block: decode alone against the prompt
             logits, _ = decode(_chunk(layout, noisy, view_id=1), cache)

@@ -3,8 +3,9 @@
 import jax
 import pytest
 
-from bd_models import BlockDiffusionLM, MeshError, ModelConfig, check_divisibility, make_mesh, shard_batch, \
-    shard_model
+import bd_core
+import bd_models
+from bd_models import BlockDiffusionLM, MeshError, ModelConfig, check_divisibility, make_mesh, shard_batch, shard_model
 
 CONFIG = ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, block_size=4)
 
@@ -46,3 +47,8 @@ def test_hidden_sizes_name_their_axis():
         check_divisibility(CONFIG.replace(n_kv_heads=4, d_ff=66), make_mesh(2, 1, 4))
     with pytest.raises(MeshError, match=r"d_model = 36 .*fsdp = 8"):
         check_divisibility(CONFIG.replace(d_model=36, n_heads=2, n_kv_heads=2), make_mesh(1, 8, 1))
+
+
+def test_mesh_errors_are_config_errors():
+    # one ConfigError for the whole project: bd_models re-exports bd_core's, and MeshError is one
+    assert bd_models.ConfigError is bd_core.ConfigError and issubclass(MeshError, bd_core.ConfigError)

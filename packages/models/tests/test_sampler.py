@@ -3,17 +3,25 @@ determinism and diversity, compile-once, KV cache == full recompute, stops, comm
 
 from __future__ import annotations
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bd_models._config import ModelConfig
-from bd_models._model import BlockDiffusionLM
-from bd_models._sampler import sample
-from bd_models._sampler_config import SamplerConfig, SamplerConfigError
-from bd_models._sampler_text import completion_ids, decode_completions
-from bd_models._sampling_dist import confidence, entropy, sampling_logprobs
+from bd_models import (
+    BlockDiffusionLM,
+    ConfigError,
+    ModelConfig,
+    SamplerConfig,
+    SamplingDistribution,
+    completion_ids,
+    confidence,
+    decode_completions,
+    entropy,
+    sample,
+    sampling_logprobs,
+)
 
 VOCAB, MASK, PAD, BLOCK = 32, 31, 30, 4
 STOPS = (3, 5, 7)  # frequent enough under a random model that rows stop mid-generation
@@ -21,10 +29,10 @@ MODEL = BlockDiffusionLM(ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n
                                      block_size=BLOCK, q_tile=16, k_tile=16), key=jax.random.PRNGKey(0))
 
 
-def config(**changes) -> SamplerConfig:
-    base = dict(block_size=BLOCK, max_new_tokens=12, mask_id=MASK, pad_id=PAD, temperature=1.0, threshold=0.5,
-                stop_ids=STOPS)
-    return SamplerConfig(**{**base, **changes})
+def config(*, temperature=1.0, top_k=None, top_p=None, **changes) -> SamplerConfig:
+    base = dict(block_size=BLOCK, max_new_tokens=12, mask_id=MASK, pad_id=PAD, threshold=0.5, stop_ids=STOPS)
+    distribution = SamplingDistribution(temperature=temperature, top_k=top_k, top_p=top_p)
+    return SamplerConfig(**{**base, **changes}, distribution=distribution)
 
 
 def prompts(seed: int, batch: int = 4, length: int = 8):
@@ -36,9 +44,6 @@ def prompts(seed: int, batch: int = 4, length: int = 8):
 
 @pytest.mark.parametrize("changes, field", [
     (dict(max_new_tokens=10), "max_new_tokens"),
-    (dict(temperature=-1.0), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_k=0), "top_k"),
     (dict(strategy="greedy"), "strategy"),
     (dict(confidence="logit"), "confidence"),
     (dict(threshold=1.5), "threshold"),
@@ -48,16 +53,41 @@ def prompts(seed: int, batch: int = 4, length: int = 8):
     (dict(stop_ids=(MASK,)), "stop_ids"),
 ])
 def test_config_errors_name_the_field(changes, field):
-    with pytest.raises(SamplerConfigError, match=rf"SamplerConfig\.{field}:"):
+    with pytest.raises(ConfigError, match=rf"SamplerConfig\.{field}:"):
         config(**changes)
 
 
+@pytest.mark.parametrize("changes, field", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(banned_ids=(-1,)), "banned_ids"),
+])
+def test_distribution_errors_name_the_field(changes, field):
+    with pytest.raises(ConfigError, match=rf"SamplingDistribution\.{field}:"):
+        SamplingDistribution(**changes)
+
+
 def test_config_checks_against_the_model():
-    with pytest.raises(SamplerConfigError, match="block_size"):
+    with pytest.raises(ConfigError, match="block_size"):
         sample(MODEL, prompts(0), config(block_size=2, max_new_tokens=12), key=jax.random.PRNGKey(0))
-    with pytest.raises(SamplerConfigError, match="top_k"):
+    with pytest.raises(ConfigError, match="top_k"):
         sample(MODEL, prompts(0), config(top_k=VOCAB + 1), key=jax.random.PRNGKey(0))
     assert config(stop_ids=[3, 5]).stop_ids == (3, 5) and hash(config(stop_ids=[3, 5]))
+
+
+def test_config_holds_the_distribution_with_mask_and_pad_banned():
+    distribution = SamplingDistribution(temperature=0.7, top_k=5, top_p=0.9, banned_ids=(2,))
+    cfg = config().replace(distribution=distribution, threshold=0.25)
+    assert cfg.banned_ids == cfg.distribution.banned_ids == (2, PAD, MASK)
+    assert cfg.distribution.to_dict() == {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "banned_ids": [2, PAD, MASK]}
+    # the values as configured, flattened under the keys fingerprints read
+    assert cfg.to_dict() == dict(block_size=BLOCK, max_new_tokens=12, mask_id=MASK, pad_id=PAD, temperature=0.7,
+                                 top_k=5, top_p=0.9, strategy="threshold", threshold=0.25, steps_per_block=None,
+                                 max_steps_per_block=None, confidence="probability", stop_ids=STOPS)
+    assert cfg.replace(mask_id=29).banned_ids == (2, 29, PAD)  # the old mask id is samplable again
+    assert SamplingDistribution(temperature=0).greedy and not SamplingDistribution(temperature=0).untempered().greedy
+    assert distribution.with_banned((9, 2)).banned_ids == (2, 9)
 
 
 def reference_logprobs(logits, temperature, top_k, top_p, banned):
@@ -101,11 +131,16 @@ def test_sampling_logprobs_match_reference(temperature, top_k, top_p):
         logits, temperature=t, top_k=None if top_k is None else k, top_p=None if top_p is None else p,
         banned_ids=(MASK, PAD)))(jnp.float32(temperature), jnp.int32(top_k or 0), jnp.float32(top_p or 1.0))
     np.testing.assert_allclose(traced, got, atol=1e-6)
+    # the distribution object is that function, eagerly and traced under filter_jit
+    distribution = SamplingDistribution(temperature=temperature, top_k=top_k, top_p=top_p, banned_ids=(PAD, MASK))
+    np.testing.assert_array_equal(distribution.logprobs(logits), got)
+    np.testing.assert_allclose(eqx.filter_jit(lambda d: d.logprobs(logits))(distribution), got, atol=1e-6)
 
 
 def test_greedy_and_confidence_rules():
     logits = jax.random.normal(jax.random.PRNGKey(2), (6, VOCAB))
     greedy = sampling_logprobs(logits, temperature=0, banned_ids=(MASK,))
+    np.testing.assert_array_equal(SamplingDistribution(temperature=0, banned_ids=(MASK,)).logprobs(logits), greedy)
     best = np.argmax(np.where(np.arange(VOCAB) == MASK, -np.inf, logits), -1)
     np.testing.assert_array_equal(np.argmax(greedy, -1), best)
     assert np.all(np.sum(np.isfinite(greedy), -1) == 1)
@@ -171,16 +206,20 @@ def test_group_samples_of_one_prompt_differ():
     assert len(completions) > 1
 
 
-def test_second_call_of_a_bucket_compiles_nothing():
+@pytest.mark.parametrize("first, second", [
+    (dict(), dict(temperature=0.7, threshold=0.8, top_k=None)),
+    (dict(temperature=0.9, top_k=5, top_p=0.8, threshold=0.6), dict(temperature=0.6, top_k=12, top_p=0.95,
+                                                                    threshold=0.3)),
+])
+def test_second_call_of_a_bucket_compiles_nothing(first, second):
     compiles = []
-    sample(MODEL, prompts(6), config(), key=jax.random.PRNGKey(6))
+    sample(MODEL, prompts(6), config(**first), key=jax.random.PRNGKey(6))
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
         else None)
     try:
         new_model = BlockDiffusionLM(MODEL.config, key=jax.random.PRNGKey(9))
-        out = sample(new_model, prompts(7), config(temperature=0.7, threshold=0.8, top_k=None),
-                     key=jax.random.PRNGKey(7))
+        out = sample(new_model, prompts(7), config(**second), key=jax.random.PRNGKey(7))
         out.completion_tokens.block_until_ready()
     finally:
         jax.monitoring.clear_event_listeners()

@@ -27,7 +27,7 @@ def _loss(model, layout):
 def test_sharded_equals_single_device(layouts, shape, attention):
     layout = layouts(0, batch=8, prompt_blocks=1, completion_blocks=2).layout
     model = BlockDiffusionLM(CONFIG.replace(attention=attention), key=jax.random.key(0))
-    fn = jax.jit(lambda m, l: (m(l), jax.grad(_loss)(m, l)))
+    fn = jax.jit(lambda m, lay: (m(lay), jax.grad(_loss)(m, lay)))
     logits, grads = fn(model.with_attention("blocked"), layout)
     mesh = make_mesh(*shape)
     with jax.set_mesh(mesh):

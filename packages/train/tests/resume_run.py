@@ -15,9 +15,8 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import ToyLM, make_batch  # noqa: E402
-
 from bd_train import Checkpointer, OptimizerConfig, Trainer, TrainerConfig, make_optimizer, sft_objective, train_loop  # noqa: E402
+from conftest import ToyLM, make_batch  # noqa: E402
 
 
 def run(mode: str, directory: str, steps: int) -> tuple[np.ndarray, list[float]]:
@@ -34,7 +33,8 @@ def run(mode: str, directory: str, steps: int) -> tuple[np.ndarray, list[float]]
     result = train_loop(trainer, state, data, num_steps=target_steps,
                         checkpointer=checkpointer if mode != "full" else None, data_iterator=data)
     checkpointer.close()
-    params = np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(eqx.filter(result.state.model, eqx.is_array))])
+    leaves = jax.tree.leaves(eqx.filter(result.state.model, eqx.is_array))
+    params = np.concatenate([np.ravel(np.asarray(x)) for x in leaves])
     return params, [h["loss"] for h in result.history]
 
 

@@ -64,16 +64,3 @@ def test_process_group_from_the_environment():
         ProcessGroup.from_env({"BDLM_NUM_PROCESSES": "2"})
     with pytest.raises(DistributedError, match="BDLM_PROCESS_ID: expected an integer, got 'one'"):
         ProcessGroup.from_env({**env, "BDLM_PROCESS_ID": "one"})
-
-
-def test_process_group_from_metaflow_parallel():
-    from metaflow.metaflow_current import Parallel
-
-    nodes = [Parallel(main_ip="10.0.0.7", num_nodes=2, node_index=i, control_task_id="12") for i in range(2)]
-    groups = [ProcessGroup.from_metaflow(node, run_id="5") for node in nodes]
-    assert groups[0].coordinator_address == groups[1].coordinator_address  # every node finds the same port
-    assert groups[0].coordinator_address.startswith("10.0.0.7:")
-    assert [g.process_id for g in groups] == [0, 1] and groups[0].num_processes == 2
-    assert ProcessGroup.from_metaflow(nodes[0], port=4321).coordinator_address == "10.0.0.7:4321"
-    single = Parallel(main_ip="127.0.0.1", num_nodes=1, node_index=0, control_task_id="3")
-    assert ProcessGroup.from_metaflow(single) == ProcessGroup.single()

@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 
 from bd_models import BlockDiffusionLM, init_sharded, make_mesh, param_partition_specs
-from bd_train.stages import Setup, parse_pipeline_config
+from bd_train.stages import Run, parse_pipeline_config
 
 CONFIGS = Path(__file__).resolve().parents[3] / "flows" / "configs"
 LARGE = 1 << 20  # bytes; the (stacked) norm vectors, below this, stay whole
 
 
-def _preset(name: str) -> Setup:
-    return Setup(parse_pipeline_config((CONFIGS / name).read_text()))
+def _preset(name: str) -> Run:
+    return Run(parse_pipeline_config((CONFIGS / name).read_text()))
 
 
-def _mesh(setup: Setup):
+def _mesh(setup: Run):
     m = setup.config.mesh
     return make_mesh(m.data, m.fsdp, m.model)
 

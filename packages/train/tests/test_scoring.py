@@ -11,13 +11,16 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bd_models._config import ModelConfig
-from bd_models._model import BlockDiffusionLM
-from bd_models._sampler import sample
-from bd_models._sampler_config import SamplerConfig
-from bd_models._sampling_dist import entropy, sampling_logprobs
-from bd_train._replay import build_replay, replay_views
-from bd_train._scoring import token_logprobs
+from bd_models import (
+    BlockDiffusionLM,
+    ModelConfig,
+    SamplerConfig,
+    SamplingDistribution,
+    entropy,
+    sample,
+    token_logprobs,
+)
+from bd_train import build_replay, replay_views
 
 VOCAB, MASK, PAD, BLOCK = 32, 31, 30, 4
 STOPS = (3, 5, 7)  # frequent under a random model: rows stop mid-generation
@@ -26,10 +29,9 @@ MODEL = BlockDiffusionLM(ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n
 
 
 @eqx.filter_jit
-def score(model, batch, temperature, top_k, top_p, *, use_top_k: bool, use_top_p: bool):
+def score(model, batch, distribution: SamplingDistribution):
     # knobs traced, switches static: one compile per switch pair, like the sampler
-    return token_logprobs(model, batch, temperature=temperature, top_k=top_k if use_top_k else None,
-                          top_p=top_p if use_top_p else None, banned_ids=(MASK, PAD), with_entropy=True)
+    return token_logprobs(model, batch, distribution, with_entropy=True)
 
 
 def prompts(seed: int, batch: int = 4, length: int = 8):
@@ -49,13 +51,13 @@ def rollout(cfg: SamplerConfig, seed: int):
        seed=st.integers(0, 2**16))
 def test_replayed_logprobs_equal_recorded(temperature, top_k, top_p, strategy, threshold, seed):
     extra = dict(threshold=threshold) if strategy == "threshold" else dict(steps_per_block=2)
-    cfg = SamplerConfig(block_size=BLOCK, max_new_tokens=12, mask_id=MASK, pad_id=PAD, temperature=temperature,
-                        top_k=top_k, top_p=top_p, strategy=strategy, stop_ids=STOPS, **extra)
+    distribution = SamplingDistribution(temperature=temperature, top_k=top_k, top_p=top_p)
+    cfg = SamplerConfig(block_size=BLOCK, max_new_tokens=12, mask_id=MASK, pad_id=PAD, distribution=distribution,
+                        strategy=strategy, stop_ids=STOPS, **extra)
     out = rollout(cfg, seed)
     replay = build_replay(out, mask_id=MASK, num_views=16)  # one bucket: 3 blocks x at most 4 steps
     replay.batch.validate(vocab_size=VOCAB)
-    logp, ent = score(MODEL, replay.batch, jnp.float32(temperature), jnp.int32(top_k or 0), jnp.float32(top_p or 1.0),
-                      use_top_k=top_k is not None, use_top_p=top_p is not None)
+    logp, ent = score(MODEL, replay.batch, cfg.distribution)
     mask = np.asarray(replay.mask)
     # every committed token of the trace is scored exactly once
     assert mask.sum() == np.asarray(out.trace.committed).sum() == np.asarray(out.completion_valid).sum()
@@ -97,13 +99,13 @@ def test_views_hold_the_canvas_before_each_step():
 
 
 def test_gradient_flows_only_when_asked_and_entropy_matches_reference():
-    cfg = SamplerConfig(block_size=BLOCK, max_new_tokens=12, mask_id=MASK, pad_id=PAD, temperature=0.8, top_k=10,
-                        stop_ids=STOPS)
+    cfg = SamplerConfig(block_size=BLOCK, max_new_tokens=12, mask_id=MASK, pad_id=PAD,
+                        distribution=SamplingDistribution(temperature=0.8, top_k=10), stop_ids=STOPS)
     replay = build_replay(rollout(cfg, 12), mask_id=MASK)
     params, static = eqx.partition(MODEL, eqx.is_inexact_array)
 
     def total(p, stop_gradient):
-        logp, _ = token_logprobs(eqx.combine(p, static), replay.batch, **cfg.distribution_kwargs(),
+        logp, _ = token_logprobs(eqx.combine(p, static), replay.batch, cfg.distribution,
                                  stop_gradient=stop_gradient)
         return jnp.sum(logp)
 
@@ -113,8 +115,8 @@ def test_gradient_flows_only_when_asked_and_entropy_matches_reference():
     norms = [float(jnp.linalg.norm(g)) for g in jax.tree_util.tree_leaves(live)]
     assert all(np.isfinite(norms)) and sum(norms) > 0
 
-    logp, ent = eqx.filter_jit(token_logprobs)(MODEL, replay.batch, **cfg.distribution_kwargs(), with_entropy=True)
-    dist = sampling_logprobs(eqx.filter_jit(MODEL)(replay.batch.layout), **cfg.distribution_kwargs())
+    logp, ent = eqx.filter_jit(token_logprobs)(MODEL, replay.batch, cfg.distribution, with_entropy=True)
+    dist = cfg.distribution.logprobs(eqx.filter_jit(MODEL)(replay.batch.layout))
     p = np.exp(np.asarray(dist, np.float64))
     with np.errstate(divide="ignore", invalid="ignore"):
         reference = -np.sum(np.where(p > 0, p * np.log(p), 0.0), -1)

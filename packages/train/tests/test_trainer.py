@@ -35,7 +35,7 @@ def _reference_grads(model, batch):
 
 def _accumulated_grads(model, stacked, loss_fn=sft_objective):
     params, static = _params(model)
-    out = accumulate(loss_fn, params, static, stacked, key=jax.random.key(0), update_step=jnp.int32(0))
+    out, _ = accumulate(loss_fn, params, static, stacked, key=jax.random.key(0), update_step=jnp.int32(0))
     return normalize(out.grads, out.loss), out
 
 
@@ -136,7 +136,8 @@ def test_bf16_adamw_keeps_optimizer_dtypes(toy_model, batch_factory, inject, mic
     trainer = Trainer(sft_objective, make_optimizer(config), TrainerConfig(microbatches=microbatches))
     state = trainer.init(model, key=jax.random.key(0))
     dtypes = jax.tree.map(lambda x: x.dtype, (state.params, state.opt_state))
-    mus = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state) if "mu" in jax.tree_util.keystr(path)]
+    mus = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state)
+           if "mu" in jax.tree_util.keystr(path)]
     assert mus and all(m.dtype == jnp.bfloat16 for m in mus)
     start = state.params
     for seed in range(3):

@@ -1,19 +1,35 @@
 """bd_core: the contracts every bdlm package agrees on.
 
 Weighted metrics that reduce globally (normalize once over all microbatches and devices), typed and
-validated batches, traces and rollouts, and config fingerprints. Depends on jax and numpy only.
+validated batches, traces and rollouts, the attention rule of the view layout, config errors and
+fingerprints. Depends on jax and numpy only.
+
+Shape letters, one meaning each across every bdlm package (arrays are named `x_BxTxD`):
+
+    B batch rows            T packed tokens (queries)    S keys / cache slots
+    L layers                D d_model                    E head dim
+    F MLP hidden            H query heads                K kv heads
+    G query heads per kv head                            V vocab
+    P prompt length         N new (completion) tokens    C canvas length P + N
+    b block size            R denoising steps recorded in a trace
+    W replay views          Q query tile                 U key tile
+    I query tiles           J key tiles
 """
 
 from ._batch import CLEAN_VIEW as CLEAN_VIEW
 from ._batch import DiffusionTokenBatch as DiffusionTokenBatch
 from ._batch import DistillationBatch as DistillationBatch
 from ._batch import ViewLayout as ViewLayout
-from ._batch import attention_allowed as attention_allowed
+from ._config import ConfigError as ConfigError
+from ._config import config_error as config_error
 from ._fingerprint import Fingerprint as Fingerprint
 from ._fingerprint import FingerprintMismatch as FingerprintMismatch
 from ._fingerprint import canonical as canonical
 from ._fingerprint import fingerprint as fingerprint
 from ._fingerprint import require_compatible as require_compatible
+from ._mask import TokenMeta as TokenMeta
+from ._mask import allowed as allowed
+from ._mask import attention_allowed as attention_allowed
 from ._reducers import LossOutput as LossOutput
 from ._reducers import MetricError as MetricError
 from ._reducers import WeightedMetric as WeightedMetric
@@ -24,5 +40,6 @@ from ._rollout import DiffusionTrace as DiffusionTrace
 from ._rollout import RolloutOutput as RolloutOutput
 from ._rollout import merge_rollouts as merge_rollouts
 from ._validate import ContractError as ContractError
+from ._validate import is_concrete as is_concrete
 
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
 All are pytrees of arrays (jit/vmap/sharding pass them through unchanged). `validate()` runs the
 static checks (ranks, shapes, dtypes) always and the value checks when the arrays are concrete.
+Shape letters: see bd_core (B batch, T packed tokens, V vocab).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._validate import (
+    ContractError,
     as_array,
     as_int32,
-    ContractError,
     check_bool,
     check_finite_nonneg,
     check_float,
@@ -75,22 +76,9 @@ class ViewLayout:
             for name in ("positions", "block_ids", "view_ids"):
                 values = np.asarray(getattr(self, name))[valid]
                 if values.size and values.min() < 0:
-                    raise ContractError(f"{owner}.{name}: expected values >= 0 at valid positions, found {values.min()}")
+                    raise ContractError(
+                        f"{owner}.{name}: expected values >= 0 at valid positions, found {values.min()}")
         return self
-
-
-def attention_allowed(layout: ViewLayout) -> Array:
-    """The one attention rule, `[B, Tq, Tk]` bool (DESIGN.md, "View layout").
-
-    q may attend k iff both are valid and: k is clean from an earlier block; or both are clean in
-    the same block; or both belong to the same noisy view and the same block.
-    """
-    vq, vk = layout.view_ids[:, :, None], layout.view_ids[:, None, :]
-    bq, bk = layout.block_ids[:, :, None], layout.block_ids[:, None, :]
-    both_valid = layout.valid[:, :, None] & layout.valid[:, None, :]
-    earlier_clean = (vk == CLEAN_VIEW) & (bk < bq)
-    same_block_same_view = (vq == vk) & (bk == bq)
-    return both_valid & (earlier_clean | same_block_same_view)
 
 
 @jax.tree_util.register_dataclass

@@ -24,7 +24,8 @@ class FingerprintMismatch(ValueError):
 
     def __init__(self, differences: Mapping[str, tuple[Any, Any]], context: str = ""):
         self.differences = dict(differences)
-        lines = [f"  {key}: saved {saved!r}, current {current!r}" for key, (saved, current) in sorted(self.differences.items())]
+        lines = [f"  {key}: saved {saved!r}, current {current!r}"
+                 for key, (saved, current) in sorted(self.differences.items())]
         head = f"{context}: " if context else ""
         super().__init__(
             f"{head}fingerprint mismatch in {len(lines)} field(s):\n" + "\n".join(lines)

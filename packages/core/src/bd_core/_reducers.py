@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -86,7 +86,7 @@ class LossOutput:
     aux: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-Metric = Union[WeightedMetric, Array, np.ndarray, float, int]
+Metric = WeightedMetric | Array | np.ndarray | float | int
 
 
 def as_loss_output(value: LossOutput | Metric) -> LossOutput:

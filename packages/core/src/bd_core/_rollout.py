@@ -4,6 +4,7 @@ A `DiffusionTrace` records, per row and denoising step, the canvas block, which 
 block were committed, the committed tokens and their log-probs under the distribution actually
 sampled, and whether the step happened. Replaying it through the packed layout reproduces the
 log-probs exactly; that is what makes importance ratios and on-policy distillation correct.
+Shape letters: see bd_core (B batch, R trace steps, b block size, P prompt, N new tokens).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._batch import DiffusionTokenBatch
 from ._validate import ContractError, check_bool, check_float, check_int, check_rank, check_shape, is_concrete
 
 Array = jax.Array
@@ -26,8 +26,8 @@ TRACE_VERSION = 1
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DiffusionTrace:
-    """Per row and step (`S` steps, block size `b`): block `[B, S]`, committed mask, tokens and
-    log-probs `[B, S, b]`, step validity `[B, S]`. Uncommitted entries hold token 0, log-prob 0."""
+    """Per row and step (`R` steps, block size `b`): block `[B, R]`, committed mask, tokens and
+    log-probs `[B, R, b]`, step validity `[B, R]`. Uncommitted entries hold token 0, log-prob 0."""
 
     block_ids: Array
     committed: Array
@@ -50,24 +50,25 @@ class DiffusionTrace:
 
     def validate(self) -> DiffusionTrace:
         owner = "DiffusionTrace"
-        b, s = check_rank(owner, "block_ids", self.block_ids, 2, "B, S")
+        b, r = check_rank(owner, "block_ids", self.block_ids, 2, "B, R")
         check_int(owner, "block_ids", self.block_ids)
-        shape3 = check_rank(owner, "committed", self.committed, 3, "B, S, b")
-        if shape3[:2] != (b, s):
-            raise ContractError(f"{owner}.committed: expected shape ({b}, {s}, b) [B, S, b], got {shape3}")
+        shape3 = check_rank(owner, "committed", self.committed, 3, "B, R, b")
+        if shape3[:2] != (b, r):
+            raise ContractError(f"{owner}.committed: expected shape ({b}, {r}, b) [B, R, b], got {shape3}")
         check_bool(owner, "committed", self.committed)
-        check_shape(owner, "tokens", self.tokens, shape3, "B, S, b")
+        check_shape(owner, "tokens", self.tokens, shape3, "B, R, b")
         check_int(owner, "tokens", self.tokens)
-        check_shape(owner, "logprobs", self.logprobs, shape3, "B, S, b")
+        check_shape(owner, "logprobs", self.logprobs, shape3, "B, R, b")
         check_float(owner, "logprobs", self.logprobs)
-        check_shape(owner, "step_valid", self.step_valid, (b, s), "B, S")
+        check_shape(owner, "step_valid", self.step_valid, (b, r), "B, R")
         check_bool(owner, "step_valid", self.step_valid)
         if self.version != TRACE_VERSION:
             raise ContractError(f"{owner}.version: this code replays trace version {TRACE_VERSION}, got {self.version}")
         if is_concrete(self):
             committed, valid = np.asarray(self.committed), np.asarray(self.step_valid)
             if np.any(committed & ~valid[:, :, None]):
-                raise ContractError(f"{owner}.committed: a position is committed in a step that step_valid marks invalid")
+                raise ContractError(
+                    f"{owner}.committed: a position is committed in a step that step_valid marks invalid")
             lp = np.asarray(self.logprobs)[committed]
             if lp.size and (not np.all(np.isfinite(lp)) or lp.max() > 1e-6):
                 raise ContractError(f"{owner}.logprobs: committed log-probs must be finite and <= 0")
@@ -81,8 +82,7 @@ class RolloutOutput:
 
     `prompt_tokens/prompt_valid` `[B, P]`; `completion_tokens/completion_valid` `[B, N]` (valid =
     inside a block that was generated); `nfe` `[B]` forward passes in which the row was active;
-    `trace` the exact denoising trace (or None); `batch` a diffusion batch built from the rollout
-    (or None).
+    `trace` the exact denoising trace (or None).
     """
 
     prompt_tokens: Array
@@ -91,7 +91,6 @@ class RolloutOutput:
     completion_valid: Array
     nfe: Array
     trace: DiffusionTrace | None = None
-    batch: DiffusionTokenBatch | None = None
 
     @property
     def batch_size(self) -> int:
@@ -114,10 +113,6 @@ class RolloutOutput:
             self.trace.validate()
             if self.trace.batch_size != b:
                 raise ContractError(f"{owner}.trace: expected {b} rows, got {self.trace.batch_size}")
-        if self.batch is not None:
-            self.batch.validate()
-            if self.batch.shape[0] != b:
-                raise ContractError(f"{owner}.batch: expected {b} rows, got {self.batch.shape[0]}")
         return self
 
 
@@ -129,8 +124,8 @@ def _leaf_paths(tree) -> list[tuple[str, Array]]:
 def merge_rollouts(outputs: Sequence[RolloutOutput]) -> RolloutOutput:
     """Concatenate rollout shards on the batch axis, atomically.
 
-    Every shard must carry a trace or none does (likewise a diffusion batch), their tree
-    structures and per-row shapes must match, and each field's rows must equal the shard's batch
+    Every shard must carry a trace or none does, their tree structures and per-row shapes must
+    match, and each field's rows must equal the shard's batch
     size. Otherwise a `ContractError` names the shard and the field; nothing is half-merged.
     """
     outputs = list(outputs)
@@ -139,14 +134,13 @@ def merge_rollouts(outputs: Sequence[RolloutOutput]) -> RolloutOutput:
     for index, out in enumerate(outputs):
         if not isinstance(out, RolloutOutput):
             raise ContractError(f"merge_rollouts: shard {index} is a {type(out).__name__}, expected a RolloutOutput")
-    for field in ("trace", "batch"):
-        present = [getattr(out, field) is not None for out in outputs]
-        if any(present) and not all(present):
-            missing = [i for i, p in enumerate(present) if not p]
-            raise ContractError(
-                f"merge_rollouts: field {field!r} is present in some shards but missing in shard(s) {missing}; "
-                f"every shard must carry a {field} or none may"
-            )
+    present = [out.trace is not None for out in outputs]
+    if any(present) and not all(present):
+        missing = [i for i, p in enumerate(present) if not p]
+        raise ContractError(
+            f"merge_rollouts: field 'trace' is present in some shards but missing in shard(s) {missing}; "
+            f"every shard must carry a trace or none may"
+        )
     reference = _leaf_paths(outputs[0])
     ref_struct = jax.tree_util.tree_structure(outputs[0])
     for index, out in enumerate(outputs):

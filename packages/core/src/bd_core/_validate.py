@@ -77,6 +77,7 @@ def check_float(owner: str, name: str, value: Any) -> None:
 def check_finite_nonneg(owner: str, name: str, value: Any) -> None:
     arr = np.asarray(value, dtype=np.float64)
     if not np.all(np.isfinite(arr)):
-        raise ContractError(f"{owner}.{name}: expected finite values, found {int(np.sum(~np.isfinite(arr)))} non-finite")
+        raise ContractError(
+            f"{owner}.{name}: expected finite values, found {int(np.sum(~np.isfinite(arr)))} non-finite")
     if np.any(arr < 0):
         raise ContractError(f"{owner}.{name}: expected values >= 0, found minimum {arr.min()}")

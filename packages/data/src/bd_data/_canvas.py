@@ -3,6 +3,7 @@
 A canvas has `prompt_len + max_new_tokens` slots. The prompt is left-padded into the first P slots
 so the completion starts at slot P, a block boundary; the completion is `answer + eos`, eos-filled
 to the end of its last block, and later blocks are invalid. Block id = slot // block_size.
+Shape letters: see bd_core (P prompt, N new tokens, C = P + N canvas, b block size).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import dataclasses
 from typing import Literal
 
 import numpy as np
+
+from bd_core import config_error
 
 POLICIES = ("block_aligned", "contiguous")
 OVERLONG_POLICIES = ("error", "truncate", "skip")
@@ -38,15 +41,14 @@ class CanvasConfig:
         for name in ("prompt_len", "max_new_tokens", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"CanvasConfig.{name}: expected a positive int, got {value!r}")
+                raise config_error("CanvasConfig", name, value, "a positive int")
         for name in ("prompt_len", "max_new_tokens"):
-            if getattr(self, name) % self.block_size:
-                raise ValueError(
-                    f"CanvasConfig.{name}={getattr(self, name)} is not a multiple of block_size={self.block_size}; "
-                    f"round it up to {-(-getattr(self, name) // self.block_size) * self.block_size}"
-                )
+            value = getattr(self, name)
+            if value % self.block_size:
+                raise config_error("CanvasConfig", name, value, f"a multiple of block_size={self.block_size}",
+                                   f"round it up to {-(-value // self.block_size) * self.block_size}")
         if self.policy not in POLICIES:
-            raise ValueError(f"CanvasConfig.policy: expected one of {POLICIES}, got {self.policy!r}")
+            raise config_error("CanvasConfig", "policy", self.policy, f"one of {POLICIES}")
 
     @property
     def length(self) -> int:

@@ -2,15 +2,7 @@
 
 Per valid completion block t ~ U[t_min, t_max] (stratified over the batch on request); each valid
 token is masked with probability 1 - alpha(t) (= t for the linear schedule), at least one per block.
-
-Bias of the at-least-one rule. Given t, a block of n valid tokens has n*p + (1 - p)^n masked
-tokens in expectation instead of n*p. Under `elbo` weighting (linear) the weighted loss of a
-constant per-token loss c therefore estimates c * (1 + E_t[(1 - t)^n / (n t)]) rather than c:
-for n = 4 that factor is 1.164 on t ~ U[0.1, 1], 1.042 on U[0.3, 0.8] and 2.21 on U[1e-3, 1]
-(`test_corruption.py` checks these numbers against sampled batches). Under `none` weighting
-the loss is a ratio over masked tokens and stays exactly c; only the effective mask rate rises.
-Clipping t is free for the linear schedule (E[weighted count | t] = n for every t) but not for
-cosine, whose clipped estimate is c * (alpha(t_min) - alpha(t_max)) / (t_max - t_min).
+Shape letters: see bd_core (B, P, N, C = P + N, b).
 """
 
 from __future__ import annotations
@@ -20,7 +12,8 @@ import math
 from typing import Literal
 
 import numpy as np
-from bd_core import DiffusionTokenBatch, ViewLayout
+
+from bd_core import DiffusionTokenBatch, ViewLayout, config_error
 
 from ._canvas import Canvas, CanvasConfig
 
@@ -44,17 +37,18 @@ class CorruptionConfig:
     stratified: bool = False
 
     def __post_init__(self):
-        if not (0.0 < self.t_min <= self.t_max <= 1.0):
-            raise ValueError(
-                f"CorruptionConfig: expected 0 < t_min <= t_max <= 1, got t_min={self.t_min}, t_max={self.t_max}; "
-                f"t_min > 0 keeps elbo weights finite (e.g. t_min=0.1, t_max=1.0)"
-            )
+        owner, expected = "CorruptionConfig", "0 < t_min <= t_max <= 1"
+        fix = "t_min > 0 keeps elbo weights finite (e.g. t_min=0.1, t_max=1.0)"
+        if not 0.0 < self.t_min <= 1.0:
+            raise config_error(owner, "t_min", self.t_min, f"{expected} (t_max={self.t_max})", fix)
+        if not self.t_min <= self.t_max <= 1.0:
+            raise config_error(owner, "t_max", self.t_max, f"{expected} (t_min={self.t_min})", fix)
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"CorruptionConfig.schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
+            raise config_error(owner, "schedule", self.schedule, f"one of {SCHEDULES}")
         if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"CorruptionConfig.weighting: expected one of {WEIGHTINGS}, got {self.weighting!r}")
+            raise config_error(owner, "weighting", self.weighting, f"one of {WEIGHTINGS}")
         if not isinstance(self.stratified, bool):
-            raise ValueError(f"CorruptionConfig.stratified: expected a bool, got {self.stratified!r}")
+            raise config_error(owner, "stratified", self.stratified, "a bool")
 
     def mask_rate(self, t: np.ndarray) -> np.ndarray:
         """1 - alpha(t): the probability that a token is masked at noise level t."""
@@ -77,8 +71,8 @@ DEFAULT_CORRUPTION = CorruptionConfig(t_min=0.1, t_max=1.0, schedule="linear", w
 
 
 def sample_t(block_valid: np.ndarray, config: CorruptionConfig, rng: np.random.Generator) -> np.ndarray:
-    """t per block `[B, nb]`; stratified: the batch's K valid blocks get one draw from each of K
-    equal-width strata of [t_min, t_max], in random order."""
+    """t per completion block `[B, N/b]`; stratified: the batch's m valid blocks get one draw from
+    each of m equal-width strata of [t_min, t_max], in random order."""
     span = config.t_max - config.t_min
     if not config.stratified:
         return config.t_min + span * rng.random(block_valid.shape)
@@ -91,8 +85,19 @@ def sample_t(block_valid: np.ndarray, config: CorruptionConfig, rng: np.random.G
 
 def corrupt(canvas: Canvas, canvas_config: CanvasConfig, config: CorruptionConfig, *, mask_id: int,
             rng: np.random.Generator) -> DiffusionTokenBatch:
-    """Corrupt a batch of clean canvases (`[B, P + N]` arrays) into a numpy `DiffusionTokenBatch`
-    of length P + 2N; the noisy copy carries the completion's positions and block ids."""
+    """Corrupt a batch of clean canvases (`[B, C]` arrays, C = P + N) into a numpy
+    `DiffusionTokenBatch` of length C + N; the noisy copy carries the completion's positions and
+    block ids.
+
+    Bias of the at-least-one rule. Given t, a block of n valid tokens has n*p + (1 - p)^n masked
+    tokens in expectation instead of n*p. Under `elbo` weighting (linear) the weighted loss of a
+    constant per-token loss c therefore estimates c * (1 + E_t[(1 - t)^n / (n t)]) rather than c:
+    for n = 4 that factor is 1.164 on t ~ U[0.1, 1], 1.042 on U[0.3, 0.8] and 2.21 on U[1e-3, 1]
+    (`test_corruption.py` checks these numbers against sampled batches). Under `none` weighting
+    the loss is a ratio over masked tokens and stays exactly c; only the effective mask rate rises.
+    Clipping t is free for the linear schedule (E[weighted count | t] = n for every t) but not for
+    cosine, whose clipped estimate is c * (alpha(t_min) - alpha(t_max)) / (t_max - t_min).
+    """
     p, b = canvas_config.prompt_len, canvas_config.block_size
     batch, length = canvas.tokens.shape
     n = length - p
@@ -126,7 +131,8 @@ def corrupt(canvas: Canvas, canvas_config: CanvasConfig, config: CorruptionConfi
     )
     return DiffusionTokenBatch(
         layout=layout,
-        targets=np.concatenate([np.zeros((batch, length), np.int32), np.where(valid, clean, 0)], axis=1).astype(np.int32),
+        targets=np.concatenate([np.zeros((batch, length), np.int32), np.where(valid, clean, 0)],
+                               axis=1).astype(np.int32),
         weights=np.concatenate([zeros, weights.astype(np.float32)], axis=1),
         denom_weights=np.concatenate([zeros, denom.astype(np.float32)], axis=1),
     ).validate()

@@ -62,13 +62,15 @@ def _record(path: Path, number: int, raw: bytes) -> tuple[str, str] | None:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise JsonlError(f"{where}: not valid UTF-8 (byte {err.start} of the line); re-encode the file as UTF-8") from None
+        raise JsonlError(
+            f"{where}: not valid UTF-8 (byte {err.start} of the line); re-encode the file as UTF-8") from None
     if not line.strip():
         return None
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
-        raise JsonlError(f"{where}: invalid JSON ({err.msg} at column {err.colno}); each line must be one JSON object") from None
+        raise JsonlError(
+            f"{where}: invalid JSON ({err.msg} at column {err.colno}); each line must be one JSON object") from None
     except RecursionError:
         raise JsonlError(f"{where}: invalid JSON (nested too deeply); each line must be one flat JSON object") from None
     if not isinstance(record, dict):
@@ -121,5 +123,6 @@ def load_jsonl(path: str | Path, *, tokenizer=None, canvas: CanvasConfig | None 
             examples.append(Example(prompt, completion, len(examples), prompt_ids, answer_ids))
             lines.append(number)
     if not examples:
-        raise JsonlError(f"{path}: no usable records ({len(skipped)} skipped as over-long); the file needs at least one")
+        raise JsonlError(
+            f"{path}: no usable records ({len(skipped)} skipped as over-long); the file needs at least one")
     return JsonlSource(path, tuple(examples), tuple(lines), OverlongReport(overlong, tuple(truncated), tuple(skipped)))

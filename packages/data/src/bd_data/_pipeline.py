@@ -3,6 +3,7 @@
 Everything is a `MapDataset` until `iterate`, so element i depends only on the seed and i: the
 same seed gives the same batches, and an iterator's `get_state()` restores to the identical next
 batch. Corruption runs per batch (not per example) so t can be stratified over the batch.
+Shape letters: see bd_core (B, P, N, C = P + N).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 
 import grain
 import numpy as np
+
 from bd_core import DiffusionTokenBatch
 
 from ._canvas import Canvas, CanvasConfig, build_canvas, prompt_canvas
@@ -22,7 +24,7 @@ from ._example import Example
 @dataclasses.dataclass(frozen=True)
 class PromptBatch:
     """Left-padded prompts for rollouts: tokens `[B, P]` int32, valid `[B, P]` bool, canvas
-    positions `[B, P + N]` int32, source indices `[B]` int64, and the examples (for rewards)."""
+    positions `[B, C]` int32, source indices `[B]` int64, and the examples (for rewards)."""
 
     tokens: np.ndarray
     valid: np.ndarray

@@ -17,6 +17,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from bd_core import config_error
+
 from ._example import Example
 
 SPLITS = ("train", "eval")
@@ -48,12 +50,12 @@ class Task(abc.ABC):
 
     def __post_init__(self):
         if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"{type(self).__name__}.seed: expected an int >= 0, got {self.seed!r}")
+            raise config_error(type(self).__name__, "seed", self.seed, "an int >= 0")
 
     def _check_range(self, field: str, low: int, high: int) -> None:
         value = getattr(self, field)
         if not isinstance(value, int) or not low <= value <= high:
-            raise ValueError(f"{type(self).__name__}.{field}: expected an int in [{low}, {high}], got {value!r}")
+            raise config_error(type(self).__name__, field, value, f"an int in [{low}, {high}]")
 
     def example(self, index: int, split: str = "train") -> Example:
         if split not in SPLITS:
@@ -192,10 +194,11 @@ DEFAULT_TASK = "argsort"
 def get_task(name: str, **params) -> Task:
     """The task `name` with difficulty params (and `seed`), e.g. `get_task("addition", digits=3)`."""
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
+        raise config_error("", "task", name, f"one of {sorted(TASKS)}")
     cls = TASKS[name]
     allowed = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(params) - allowed)
     if unknown:
-        raise ValueError(f"task {name!r} has no parameter(s) {unknown}; it accepts {sorted(allowed)}")
+        raise config_error(cls.__name__, unknown[0], params[unknown[0]],
+                           f"a parameter of task {name!r} (one of {sorted(allowed)})", "drop it")
     return cls(**params)

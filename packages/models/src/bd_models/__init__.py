@@ -1,32 +1,33 @@
 """bd_models: the Equinox block-diffusion decoder, its attention implementations, sharding,
-KV cache and FLOP counts. Depends on bd_core only.
+KV cache, FLOP counts, the sampler with its sampling distribution, and trace scoring. Depends on
+bd_core only. Shape letters: see bd_core.
 """
+
+from bd_core import ConfigError as ConfigError
 
 from ._attention import blocked_attention as blocked_attention
 from ._attention import dense_attention as dense_attention
 from ._attention import sharded_attention as sharded_attention
 from ._cache import KVCache as KVCache
-from ._config import ConfigError as ConfigError
-from ._config import ModelConfig as ModelConfig
 from ._config import REMAT_POLICIES as REMAT_POLICIES
-from ._layers import DecoderLayer as DecoderLayer
-from ._mask import TokenMeta as TokenMeta
-from ._mask import allowed as allowed
-from ._mask import tile_needed as tile_needed
+from ._config import ModelConfig as ModelConfig
 from ._flops import attention_entries as attention_entries
 from ._flops import model_flops as model_flops
+from ._layers import DecoderLayer as DecoderLayer
+from ._mask import tile_needed as tile_needed
 from ._model import BlockDiffusionLM as BlockDiffusionLM
 from ._sampler import RecomputeModel as RecomputeModel
 from ._sampler import concat_layouts as concat_layouts
 from ._sampler import sample as sample
 from ._sampler_config import SamplerConfig as SamplerConfig
-from ._sampler_config import SamplerConfigError as SamplerConfigError
 from ._sampler_text import completion_ids as completion_ids
 from ._sampler_text import decode_completions as decode_completions
+from ._sampling_dist import SamplingDistribution as SamplingDistribution
 from ._sampling_dist import confidence as confidence
 from ._sampling_dist import entropy as entropy
 from ._sampling_dist import sampling_logprobs as sampling_logprobs
 from ._sampling_dist import token_logprob as token_logprob
+from ._scoring import token_logprobs as token_logprobs
 from ._sharding import MeshError as MeshError
 from ._sharding import batch_sharding as batch_sharding
 from ._sharding import check_divisibility as check_divisibility

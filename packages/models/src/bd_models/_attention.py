@@ -3,8 +3,8 @@
 `blocked` is an online-softmax (flash) kernel with a custom VJP: per query tile it loops only over
 the key tiles that `tile_needed` marks, and its backward recomputes probabilities from the saved
 log-sum-exp, so memory is O(T) and the masked half of the 2L training layout costs nothing.
-Legend: B batch, K kv heads, G query heads per kv head, T queries, S keys, D head dim,
-Q query tile, C key tile, N query tiles, M key tiles.
+Shape letters: see bd_core (B batch, K kv heads, G query heads per kv head, T queries, S keys,
+E head dim, Q query tile, U key tile, I query tiles, J key tiles).
 """
 
 from __future__ import annotations
@@ -16,20 +16,22 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ._mask import TokenMeta, allowed, tile_needed
+from bd_core import TokenMeta, allowed
+
+from ._mask import tile_needed
 
 Array = jax.Array
 BATCH_AXES = ("data", "fsdp")
 MODEL_AXIS = "model"
 
 
-def _scores(q_BxKxGxQxD, k_BxKxCxD):
-    return jnp.einsum("bkgqd,bkcd->bkgqc", q_BxKxGxQxD, k_BxKxCxD, preferred_element_type=jnp.float32)
+def _scores(q_BxKxGxQxE, k_BxKxUxE):
+    return jnp.einsum("bkgqe,bkue->bkgqu", q_BxKxGxQxE, k_BxKxUxE, preferred_element_type=jnp.float32)
 
 
-def dense_attention(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, q_meta: TokenMeta, k_meta: TokenMeta) -> Array:
+def dense_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta: TokenMeta) -> Array:
     """The reference: full `[T, S]` scores. Rows with no allowed key output exactly 0."""
-    s_BxKxGxTxS = _scores(q_BxKxGxTxD, k_BxKxSxD)
+    s_BxKxGxTxS = _scores(q_BxKxGxTxE, k_BxKxSxE)
     mask_Bx1x1xTxS = allowed(q_meta, k_meta)[:, None, None]
     s_BxKxGxTxS = jnp.where(mask_Bx1x1xTxS, s_BxKxGxTxS, -jnp.inf)
     # The max only stabilizes exp; stopping its gradient leaves the result and gradient exact.
@@ -37,20 +39,20 @@ def dense_attention(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, q_meta: TokenMeta, k_meta
     m_BxKxGxT = jnp.where(jnp.isneginf(m_BxKxGxT), 0.0, m_BxKxGxT)
     p_BxKxGxTxS = jnp.exp(s_BxKxGxTxS - m_BxKxGxT[..., None])
     l_BxKxGxT = jnp.sum(p_BxKxGxTxS, axis=-1)
-    out = jnp.einsum("bkgts,bksd->bkgtd", p_BxKxGxTxS, v_BxKxSxD.astype(jnp.float32))
+    out = jnp.einsum("bkgts,bkse->bkgte", p_BxKxGxTxS, v_BxKxSxE.astype(jnp.float32))
     out = out / jnp.where(l_BxKxGxT > 0, l_BxKxGxT, 1.0)[..., None]
-    return out.astype(q_BxKxGxTxD.dtype)
+    return out.astype(q_BxKxGxTxE.dtype)
 
 
 def _tile_plan(q_meta: TokenMeta, k_meta: TokenMeta, q_tile: int, k_tile: int):
-    """Per query tile: the indices of the needed key tiles first (`order [N, M]`) and their count."""
-    need_NxM = tile_needed(q_meta, k_meta, q_tile, k_tile)
-    order_NxM = jnp.argsort(~need_NxM, axis=1, stable=True).astype(jnp.int32)
-    return order_NxM, jnp.sum(need_NxM, axis=1, dtype=jnp.int32)
+    """Per query tile: the indices of the needed key tiles first (`order [I, J]`) and their count."""
+    need_IxJ = tile_needed(q_meta, k_meta, q_tile, k_tile)
+    order_IxJ = jnp.argsort(~need_IxJ, axis=1, stable=True).astype(jnp.int32)
+    return order_IxJ, jnp.sum(need_IxJ, axis=1, dtype=jnp.int32)
 
 
 def _split_q(x, n_tiles: int, axis: int):
-    """Move query tiles to a leading scan axis: [..., T, ...] -> [N, ..., Q, ...]."""
+    """Move query tiles to a leading scan axis: [..., T, ...] -> [I, ..., Q, ...]."""
     shape = x.shape[:axis] + (n_tiles, x.shape[axis] // n_tiles) + x.shape[axis + 1:]
     return jnp.moveaxis(x.reshape(shape), axis, 0)
 
@@ -60,46 +62,46 @@ def _merge_q(x, axis: int):
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
 
 
-def _key_tile(k_BxKxSxD, v_BxKxSxD, k_meta: TokenMeta, m, k_tile: int):
-    start = m * k_tile
-    k_t = lax.dynamic_slice_in_dim(k_BxKxSxD, start, k_tile, axis=2)
-    v_t = lax.dynamic_slice_in_dim(v_BxKxSxD, start, k_tile, axis=2)
+def _key_tile(k_BxKxSxE, v_BxKxSxE, k_meta: TokenMeta, j, k_tile: int):
+    start = j * k_tile
+    k_t = lax.dynamic_slice_in_dim(k_BxKxSxE, start, k_tile, axis=2)
+    v_t = lax.dynamic_slice_in_dim(v_BxKxSxE, start, k_tile, axis=2)
     return start, k_t, v_t, k_meta.slice(start, k_tile)
 
 
-def _flash_forward(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, q_meta, k_meta, q_tile, k_tile):
-    n_q = q_BxKxGxTxD.shape[3] // q_tile
-    order_NxM, count_N = _tile_plan(q_meta, k_meta, q_tile, k_tile)
-    b, kh, g = q_BxKxGxTxD.shape[:3]
+def _flash_forward(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta, q_tile, k_tile):
+    n_q = q_BxKxGxTxE.shape[3] // q_tile
+    order_IxJ, count_I = _tile_plan(q_meta, k_meta, q_tile, k_tile)
+    b, kh, g = q_BxKxGxTxE.shape[:3]
 
     def per_query_tile(_, xs):
-        q_BxKxGxQxD, qm, order_M, count = xs
+        q_BxKxGxQxE, qm, order_J, count = xs
 
         def body(state):
-            i, m_BxKxGxQ, l_BxKxGxQ, acc_BxKxGxQxD = state
-            _, k_t, v_t, km = _key_tile(k_BxKxSxD, v_BxKxSxD, k_meta, order_M[i], k_tile)
-            mask_Bx1x1xQxC = allowed(qm, km)[:, None, None]
-            s_BxKxGxQxC = jnp.where(mask_Bx1x1xQxC, _scores(q_BxKxGxQxD, k_t), -jnp.inf)
-            m_new = jnp.maximum(m_BxKxGxQ, jnp.max(s_BxKxGxQxC, axis=-1))
+            i, m_BxKxGxQ, l_BxKxGxQ, acc_BxKxGxQxE = state
+            _, k_t, v_t, km = _key_tile(k_BxKxSxE, v_BxKxSxE, k_meta, order_J[i], k_tile)
+            mask_Bx1x1xQxU = allowed(qm, km)[:, None, None]
+            s_BxKxGxQxU = jnp.where(mask_Bx1x1xQxU, _scores(q_BxKxGxQxE, k_t), -jnp.inf)
+            m_new = jnp.maximum(m_BxKxGxQ, jnp.max(s_BxKxGxQxU, axis=-1))
             m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-            p_BxKxGxQxC = jnp.exp(s_BxKxGxQxC - m_safe[..., None])
+            p_BxKxGxQxU = jnp.exp(s_BxKxGxQxU - m_safe[..., None])
             correction = jnp.exp(m_BxKxGxQ - m_safe)
-            l_new = l_BxKxGxQ * correction + jnp.sum(p_BxKxGxQxC, axis=-1)
-            pv = jnp.einsum("bkgqc,bkcd->bkgqd", p_BxKxGxQxC.astype(v_t.dtype), v_t,
+            l_new = l_BxKxGxQ * correction + jnp.sum(p_BxKxGxQxU, axis=-1)
+            pv = jnp.einsum("bkgqu,bkue->bkgqe", p_BxKxGxQxU.astype(v_t.dtype), v_t,
                             preferred_element_type=jnp.float32)
-            return i + 1, m_new, l_new, acc_BxKxGxQxD * correction[..., None] + pv
+            return i + 1, m_new, l_new, acc_BxKxGxQxE * correction[..., None] + pv
 
         init = (jnp.int32(0), jnp.full((b, kh, g, q_tile), -jnp.inf, jnp.float32),
-                jnp.zeros((b, kh, g, q_tile), jnp.float32), jnp.zeros(q_BxKxGxQxD.shape, jnp.float32))
+                jnp.zeros((b, kh, g, q_tile), jnp.float32), jnp.zeros(q_BxKxGxQxE.shape, jnp.float32))
         _, m_BxKxGxQ, l_BxKxGxQ, acc = lax.while_loop(lambda s: s[0] < count, body, init)
         has_keys = l_BxKxGxQ > 0
         out = acc / jnp.where(has_keys, l_BxKxGxQ, 1.0)[..., None]
         lse_BxKxGxQ = jnp.where(has_keys, m_BxKxGxQ + jnp.log(jnp.where(has_keys, l_BxKxGxQ, 1.0)), 0.0)
-        return None, (out.astype(q_BxKxGxQxD.dtype), lse_BxKxGxQ)
+        return None, (out.astype(q_BxKxGxQxE.dtype), lse_BxKxGxQ)
 
-    xs = (_split_q(q_BxKxGxTxD, n_q, 3), TokenMeta(*(_split_q(a, n_q, 1) for a in q_meta)), order_NxM, count_N)
-    _, (out_N, lse_N) = lax.scan(per_query_tile, None, xs)
-    return _merge_q(out_N, 3), _merge_q(lse_N, 3), (order_NxM, count_N)
+    xs = (_split_q(q_BxKxGxTxE, n_q, 3), TokenMeta(*(_split_q(a, n_q, 1) for a in q_meta)), order_IxJ, count_I)
+    _, (out_I, lse_I) = lax.scan(per_query_tile, None, xs)
+    return _merge_q(out_I, 3), _merge_q(lse_I, 3), (order_IxJ, count_I)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -112,41 +114,41 @@ def _flash_fwd(q, k, v, q_meta, k_meta, q_tile, k_tile):
     return out, (q, k, v, q_meta, k_meta, out, lse, plan)
 
 
-def _flash_bwd(q_tile, k_tile, residuals, dout_BxKxGxTxD):
-    q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, q_meta, k_meta, out, lse_BxKxGxT, (order_NxM, count_N) = residuals
-    n_q = q_BxKxGxTxD.shape[3] // q_tile
-    delta_BxKxGxT = jnp.sum(dout_BxKxGxTxD.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+def _flash_bwd(q_tile, k_tile, residuals, dout_BxKxGxTxE):
+    q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta, out, lse_BxKxGxT, (order_IxJ, count_I) = residuals
+    n_q = q_BxKxGxTxE.shape[3] // q_tile
+    delta_BxKxGxT = jnp.sum(dout_BxKxGxTxE.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
 
     def per_query_tile(carry, xs):
-        q_t, do_BxKxGxQxD, lse_BxKxGxQ, delta_BxKxGxQ, qm, order_M, count = xs
+        q_t, do_BxKxGxQxE, lse_BxKxGxQ, delta_BxKxGxQ, qm, order_J, count = xs
 
         def body(state):
-            i, dq_BxKxGxQxD, dk_BxKxSxD, dv_BxKxSxD = state
-            start, k_t, v_t, km = _key_tile(k_BxKxSxD, v_BxKxSxD, k_meta, order_M[i], k_tile)
-            mask_Bx1x1xQxC = allowed(qm, km)[:, None, None]
-            s_BxKxGxQxC = jnp.where(mask_Bx1x1xQxC, _scores(q_t, k_t), -jnp.inf)
-            p_BxKxGxQxC = jnp.exp(s_BxKxGxQxC - lse_BxKxGxQ[..., None])
-            dv_t = jnp.einsum("bkgqc,bkgqd->bkcd", p_BxKxGxQxC, do_BxKxGxQxD, preferred_element_type=jnp.float32)
-            dp = jnp.einsum("bkgqd,bkcd->bkgqc", do_BxKxGxQxD, v_t, preferred_element_type=jnp.float32)
-            ds_BxKxGxQxC = p_BxKxGxQxC * (dp - delta_BxKxGxQ[..., None])
-            dq_BxKxGxQxD = dq_BxKxGxQxD + jnp.einsum("bkgqc,bkcd->bkgqd", ds_BxKxGxQxC, k_t,
+            i, dq_BxKxGxQxE, dk_BxKxSxE, dv_BxKxSxE = state
+            start, k_t, v_t, km = _key_tile(k_BxKxSxE, v_BxKxSxE, k_meta, order_J[i], k_tile)
+            mask_Bx1x1xQxU = allowed(qm, km)[:, None, None]
+            s_BxKxGxQxU = jnp.where(mask_Bx1x1xQxU, _scores(q_t, k_t), -jnp.inf)
+            p_BxKxGxQxU = jnp.exp(s_BxKxGxQxU - lse_BxKxGxQ[..., None])
+            dv_t = jnp.einsum("bkgqu,bkgqe->bkue", p_BxKxGxQxU, do_BxKxGxQxE, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("bkgqe,bkue->bkgqu", do_BxKxGxQxE, v_t, preferred_element_type=jnp.float32)
+            ds_BxKxGxQxU = p_BxKxGxQxU * (dp - delta_BxKxGxQ[..., None])
+            dq_BxKxGxQxE = dq_BxKxGxQxE + jnp.einsum("bkgqu,bkue->bkgqe", ds_BxKxGxQxU, k_t,
                                                      preferred_element_type=jnp.float32)
-            dk_t = jnp.einsum("bkgqc,bkgqd->bkcd", ds_BxKxGxQxC, q_t, preferred_element_type=jnp.float32)
+            dk_t = jnp.einsum("bkgqu,bkgqe->bkue", ds_BxKxGxQxU, q_t, preferred_element_type=jnp.float32)
             add = lambda acc, d: lax.dynamic_update_slice_in_dim(  # noqa: E731
                 acc, lax.dynamic_slice_in_dim(acc, start, k_tile, axis=2) + d, start, axis=2)
-            return i + 1, dq_BxKxGxQxD, add(dk_BxKxSxD, dk_t), add(dv_BxKxSxD, dv_t)
+            return i + 1, dq_BxKxGxQxE, add(dk_BxKxSxE, dk_t), add(dv_BxKxSxE, dv_t)
 
         init = (jnp.int32(0), jnp.zeros(q_t.shape, jnp.float32)) + carry
-        _, dq_BxKxGxQxD, dk, dv = lax.while_loop(lambda s: s[0] < count, body, init)
-        return (dk, dv), dq_BxKxGxQxD
+        _, dq_BxKxGxQxE, dk, dv = lax.while_loop(lambda s: s[0] < count, body, init)
+        return (dk, dv), dq_BxKxGxQxE
 
     split = lambda x: _split_q(x, n_q, 3)  # noqa: E731
-    xs = (split(q_BxKxGxTxD), split(dout_BxKxGxTxD), split(lse_BxKxGxT), split(delta_BxKxGxT),
-          TokenMeta(*(_split_q(a, n_q, 1) for a in q_meta)), order_NxM, count_N)
-    zeros = (jnp.zeros(k_BxKxSxD.shape, jnp.float32), jnp.zeros(v_BxKxSxD.shape, jnp.float32))
-    (dk, dv), dq_N = lax.scan(per_query_tile, zeros, xs)
-    dq = _merge_q(dq_N, 3)
-    return (dq.astype(q_BxKxGxTxD.dtype), dk.astype(k_BxKxSxD.dtype), dv.astype(v_BxKxSxD.dtype), None, None)
+    xs = (split(q_BxKxGxTxE), split(dout_BxKxGxTxE), split(lse_BxKxGxT), split(delta_BxKxGxT),
+          TokenMeta(*(_split_q(a, n_q, 1) for a in q_meta)), order_IxJ, count_I)
+    zeros = (jnp.zeros(k_BxKxSxE.shape, jnp.float32), jnp.zeros(v_BxKxSxE.shape, jnp.float32))
+    (dk, dv), dq_I = lax.scan(per_query_tile, zeros, xs)
+    dq = _merge_q(dq_I, 3)
+    return (dq.astype(q_BxKxGxTxE.dtype), dk.astype(k_BxKxSxE.dtype), dv.astype(v_BxKxSxE.dtype), None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -158,33 +160,33 @@ def _tile(size: int, length: int) -> tuple[int, int]:
     return tile, -(-length // tile) * tile
 
 
-def blocked_attention(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, q_meta: TokenMeta, k_meta: TokenMeta, *,
+def blocked_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta: TokenMeta, *,
                       q_tile: int = 64, k_tile: int = 64) -> Array:
     """Flash attention over the key tiles the mask allows; equals `dense_attention`."""
-    t, s = q_BxKxGxTxD.shape[3], k_BxKxSxD.shape[2]
+    t, s = q_BxKxGxTxE.shape[3], k_BxKxSxE.shape[2]
     q_tile, t_pad = _tile(q_tile, t)
     k_tile, s_pad = _tile(k_tile, s)
     pad = lambda x, n, axis: jnp.pad(x, [(0, n if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
-    q = pad(q_BxKxGxTxD, t_pad - t, 3)
-    k, v = pad(k_BxKxSxD, s_pad - s, 2), pad(v_BxKxSxD, s_pad - s, 2)
+    q = pad(q_BxKxGxTxE, t_pad - t, 3)
+    k, v = pad(k_BxKxSxE, s_pad - s, 2), pad(v_BxKxSxE, s_pad - s, 2)
     out = _flash(q, k, v, q_meta.pad_to(t_pad), k_meta.pad_to(s_pad), q_tile, k_tile)
     return out[:, :, :, :t]
 
 
-def sharded_attention(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, q_meta: TokenMeta, k_meta: TokenMeta, *,
+def sharded_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta: TokenMeta, *,
                       q_tile: int = 64, k_tile: int = 64) -> Array:
     """`blocked_attention` under `jax.shard_map` on the mesh set with `jax.set_mesh`: batch over
     (`data`, `fsdp`), kv heads over `model`. Without a mesh it is `blocked_attention`."""
     kernel = functools.partial(blocked_attention, q_tile=q_tile, k_tile=k_tile)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return kernel(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, q_meta, k_meta)
+        return kernel(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta)
     missing = {*BATCH_AXES, MODEL_AXIS} - set(mesh.axis_names)
     if missing:
         raise ValueError(f"attention='shard_map' needs mesh axes {BATCH_AXES + (MODEL_AXIS,)}; the mesh lacks "
                          f"{sorted(missing)}. Build it with bd_models.make_mesh")
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
-    batch, kv_heads = q_BxKxGxTxD.shape[0], k_BxKxSxD.shape[1]
+    batch, kv_heads = q_BxKxGxTxE.shape[0], k_BxKxSxE.shape[1]
     if batch % n_batch or kv_heads % mesh.shape[MODEL_AXIS]:
         raise ValueError(
             f"attention='shard_map': batch {batch} must divide by data*fsdp={n_batch} and n_kv_heads {kv_heads} "
@@ -193,12 +195,12 @@ def sharded_attention(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, q_meta: TokenMeta, k_me
     q_spec, kv_spec, meta_spec = P(BATCH_AXES, MODEL_AXIS), P(BATCH_AXES, MODEL_AXIS), P(BATCH_AXES)
     metas = TokenMeta(meta_spec, meta_spec, meta_spec)
     return jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, metas, metas), out_specs=q_spec,
-                         check_vma=False)(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, q_meta, k_meta)
+                         check_vma=False)(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta)
 
 
-def attend(impl: str, q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, q_meta: TokenMeta, k_meta: TokenMeta, *,
+def attend(impl: str, q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta: TokenMeta, *,
            q_tile: int = 64, k_tile: int = 64) -> Array:
     if impl == "dense":
-        return dense_attention(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, q_meta, k_meta)
+        return dense_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta)
     fn = blocked_attention if impl == "blocked" else sharded_attention
-    return fn(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, q_meta, k_meta, q_tile=q_tile, k_tile=k_tile)
+    return fn(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta, q_tile=q_tile, k_tile=k_tile)

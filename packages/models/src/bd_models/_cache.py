@@ -2,6 +2,7 @@
 
 Slot index == canvas position, so every row shares the block grid (prompts are left-padded to a
 block boundary). Entries are clean view-0 keys; `valid` says which slots hold one.
+Shape letters: see bd_core (L layers, B, S slots, K kv heads, E head dim, T chunk tokens).
 """
 
 from __future__ import annotations
@@ -10,14 +11,12 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, Shaped
 
-from bd_core import CLEAN_VIEW
-
-from ._mask import TokenMeta
+from bd_core import CLEAN_VIEW, TokenMeta
 
 
 class KVCache(eqx.Module):
-    """Rotated keys and values `[n_layers, B, S_max, n_kv_heads, head_dim]`, with per-slot
-    validity and canvas block ids `[B, S_max]`."""
+    """Rotated keys and values `[L, B, S, K, E]` (S = the most canvas positions it holds), with
+    per-slot validity and canvas block ids `[B, S]`."""
 
     k: Shaped[Array, "L B S K E"]
     v: Shaped[Array, "L B S K E"]

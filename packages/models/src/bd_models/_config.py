@@ -12,13 +12,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from bd_core import ConfigError, config_error
+
 ATTENTION_IMPLS = ("dense", "blocked", "shard_map")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_matmuls")
-
-
-class ConfigError(ValueError):
-    """A model config field with an invalid value."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,39 +45,34 @@ class ModelConfig:
     remat: str = "none"
 
     def __post_init__(self):
+        fail = lambda field, expected, fix=None: config_error(  # noqa: E731
+            "ModelConfig", field, getattr(self, field), expected, fix)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "block_size",
                      "q_tile", "k_tile"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"ModelConfig.{name}: expected a positive int, got {value!r}")
+                raise fail(name, "a positive int")
         if self.d_model % self.n_heads:
-            raise ConfigError(
-                f"ModelConfig.d_model: {self.d_model} is not divisible by n_heads={self.n_heads}; "
-                f"choose d_model = n_heads * head_dim"
-            )
+            raise fail("d_model", f"a multiple of n_heads={self.n_heads}", "choose d_model = n_heads * head_dim")
         if self.head_dim % 2:
-            raise ConfigError(
-                f"ModelConfig.d_model: head_dim = d_model / n_heads = {self.head_dim} must be even for RoPE; "
-                f"change d_model or n_heads"
-            )
+            raise fail("d_model", f"head_dim = d_model / n_heads to be even for RoPE (it is {self.head_dim})",
+                       "change d_model or n_heads")
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"ModelConfig.n_kv_heads: n_heads={self.n_heads} is not a multiple of n_kv_heads="
-                f"{self.n_kv_heads}; grouped-query attention needs n_kv_heads to divide n_heads"
-            )
+            raise fail("n_kv_heads", f"a divisor of n_heads={self.n_heads}",
+                       "grouped-query attention needs n_kv_heads to divide n_heads")
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"ModelConfig.{name}: expected a positive number, got {value!r}")
+                raise fail(name, "a positive number")
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in DTYPES:
-                raise ConfigError(f"ModelConfig.{name}: expected one of {DTYPES}, got {getattr(self, name)!r}")
+                raise fail(name, f"one of {DTYPES}")
         if self.attention not in ATTENTION_IMPLS:
-            raise ConfigError(f"ModelConfig.attention: expected one of {ATTENTION_IMPLS}, got {self.attention!r}")
+            raise fail("attention", f"one of {ATTENTION_IMPLS}")
         if self.remat not in REMAT_POLICIES:
-            raise ConfigError(f"ModelConfig.remat: expected one of {REMAT_POLICIES}, got {self.remat!r}")
+            raise fail("remat", f"one of {REMAT_POLICIES}")
         if not isinstance(self.tie_embeddings, bool):
-            raise ConfigError(f"ModelConfig.tie_embeddings: expected a bool, got {self.tie_embeddings!r}")
+            raise fail("tie_embeddings", "a bool")
 
     @property
     def head_dim(self) -> int:
@@ -112,7 +105,7 @@ class ModelConfig:
         missing = sorted(f.name for f in dataclasses.fields(cls)
                          if f.default is dataclasses.MISSING and f.name not in data)
         if missing:
-            raise ConfigError(f"ModelConfig: missing required field(s) {missing}")
+            raise ConfigError(f"ModelConfig: missing required field(s) {missing}; add them")
         # JSON (and canonical fingerprints) write 10000.0 as 10000: float fields take ints back.
         floats = {"rope_theta", "norm_eps"}
         return cls(**{k: float(v) if k in floats and isinstance(v, int) and not isinstance(v, bool) else v

@@ -2,7 +2,7 @@
 
 A multiply-add counts 2 FLOPs; the backward pass counts twice the forward, so a training step is
 3x forward. Given a `ViewLayout`, attention counts the allowed (query, key) pairs exactly; given a
-`(B, T)` shape, every pair.
+`(B, T)` shape, every pair. Shape letters: see bd_core.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 A layer's arrays are unbatched here; the model stacks `n_layers` of them on a leading axis and
 scans. Every matmul runs on 2-D `[B·T, ·]` operands, the fastest form on CPU (ENVIRONMENT.md).
-Legend: B batch, T tokens, D d_model, K kv heads, G query heads per kv head, H = K·G, E head dim,
-F d_ff.
+Shape letters: see bd_core (B, T, D, H = K·G, K, G, E, F); `BT` is the flattened B·T axis.
 """
 
 from __future__ import annotations
@@ -17,9 +16,10 @@ from ._config import ModelConfig
 Array = jax.Array
 
 
-def rms_norm(x_BxTxD, weight_D, eps: float, dtype) -> Array:
-    """Statistics in float32 whatever the compute dtype."""
-    x32 = x_BxTxD.astype(jnp.float32)
+def rms_norm(x_xD, weight_D, eps: float, dtype) -> Array:
+    """RMSNorm over the last axis (D) of `[B, T, D]` or `[BT, D]`; statistics in float32 whatever
+    the compute dtype."""
+    x32 = x_xD.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (y * weight_D.astype(jnp.float32)).astype(dtype)
 
@@ -31,15 +31,16 @@ def rope_angles(positions_BxT, head_dim: int, theta: float) -> tuple[Array, Arra
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x_BxTxNxE, cos_BxTxR, sin_BxTxR) -> Array:
-    """Rotate-half RoPE on any head axis N."""
-    x1, x2 = jnp.split(x_BxTxNxE.astype(jnp.float32), 2, axis=-1)
-    cos, sin = cos_BxTxR[:, :, None], sin_BxTxR[:, :, None]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxTxNxE.dtype)
+def apply_rope(x_BxTxHxE, cos, sin) -> Array:
+    """Rotate-half RoPE on a head axis (H query heads or K kv heads); `cos`, `sin` `[B, T, E/2]`."""
+    x1, x2 = jnp.split(x_BxTxHxE.astype(jnp.float32), 2, axis=-1)
+    cos, sin = cos[:, :, None], sin[:, :, None]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxTxHxE.dtype)
 
 
-def _matmul(x_NxA, w_AxC, dtype) -> Array:
-    return jnp.dot(x_NxA, w_AxC.astype(dtype), preferred_element_type=dtype)
+def _matmul(x, w, dtype) -> Array:
+    """`x [rows, in] @ w [in, out]` in `dtype`."""
+    return jnp.dot(x, w.astype(dtype), preferred_element_type=dtype)
 
 
 class DecoderLayer(eqx.Module):
@@ -79,10 +80,10 @@ class DecoderLayer(eqx.Module):
         b, t, d = x_BxTxD.shape
         kv, g, e = config.n_kv_heads, config.q_per_kv, config.head_dim
         dtype = config.compute_jnp_dtype
-        h_NxD = rms_norm(x_BxTxD, self.attn_norm, config.norm_eps, dtype).reshape(b * t, d)
-        q = apply_rope(_matmul(h_NxD, self.wq, dtype).reshape(b, t, kv * g, e), cos, sin)
-        k = apply_rope(_matmul(h_NxD, self.wk, dtype).reshape(b, t, kv, e), cos, sin)
-        v = _matmul(h_NxD, self.wv, dtype).reshape(b, t, kv, e)
+        h_BTxD = rms_norm(x_BxTxD, self.attn_norm, config.norm_eps, dtype).reshape(b * t, d)
+        q = apply_rope(_matmul(h_BTxD, self.wq, dtype).reshape(b, t, kv * g, e), cos, sin)
+        k = apply_rope(_matmul(h_BTxD, self.wk, dtype).reshape(b, t, kv, e), cos, sin)
+        v = _matmul(h_BTxD, self.wv, dtype).reshape(b, t, kv, e)
         q = (q * jnp.asarray(e ** -0.5, dtype)).reshape(b, t, kv, g, e)
         return q, k, v
 
@@ -90,9 +91,9 @@ class DecoderLayer(eqx.Module):
         """Output projection and residual, then the SwiGLU MLP and residual."""
         b, t, d = x_BxTxD.shape
         dtype = config.compute_jnp_dtype
-        x_NxD = x_BxTxD.reshape(b * t, d) + _matmul(attn_BxTxKxGxE.reshape(b * t, -1).astype(dtype), self.wo, dtype)
-        h_NxD = rms_norm(x_NxD, self.mlp_norm, config.norm_eps, dtype)
-        gate_NxF = _matmul(h_NxD, self.w_gate, dtype)
-        up_NxF = _matmul(h_NxD, self.w_up, dtype)
-        x_NxD = x_NxD + _matmul(jax.nn.silu(gate_NxF) * up_NxF, self.w_down, dtype)
-        return x_NxD.reshape(b, t, d)
+        x_BTxD = x_BxTxD.reshape(b * t, d) + _matmul(attn_BxTxKxGxE.reshape(b * t, -1).astype(dtype), self.wo, dtype)
+        h_BTxD = rms_norm(x_BTxD, self.mlp_norm, config.norm_eps, dtype)
+        gate_BTxF = _matmul(h_BTxD, self.w_gate, dtype)
+        up_BTxF = _matmul(h_BTxD, self.w_up, dtype)
+        x_BTxD = x_BTxD + _matmul(jax.nn.silu(gate_BTxF) * up_BTxF, self.w_down, dtype)
+        return x_BTxD.reshape(b, t, d)

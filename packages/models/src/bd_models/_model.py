@@ -2,8 +2,7 @@
 
 `model(layout)` is the packed forward over any `ViewLayout`; `forward_cached` evaluates the same
 attention rule incrementally against a `KVCache`. Logits are float32 whatever the compute dtype.
-Legend: B batch, T tokens, S cache slots, L layers, D d_model, K kv heads, G query heads per kv
-head, E head dim, V vocab.
+Shape letters: see bd_core (B, T, S cache slots, L, D, K, G, E, V); `BT` is the flattened B·T axis.
 """
 
 from __future__ import annotations
@@ -14,13 +13,12 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
-from bd_core import CLEAN_VIEW, ViewLayout
+from bd_core import CLEAN_VIEW, TokenMeta, ViewLayout
 
 from ._attention import attend, dense_attention
 from ._cache import KVCache
 from ._config import ModelConfig
 from ._layers import DecoderLayer, rms_norm, rope_angles
-from ._mask import TokenMeta
 
 
 def remat_layer(layer_step, policy: str):
@@ -96,10 +94,10 @@ class BlockDiffusionLM(eqx.Module):
         config = self.config
         b, t, d = x_BxTxD.shape
         dtype = config.compute_jnp_dtype
-        h_NxD = rms_norm(x_BxTxD.reshape(b * t, d), self.final_norm, config.norm_eps, dtype)
+        h_BTxD = rms_norm(x_BxTxD.reshape(b * t, d), self.final_norm, config.norm_eps, dtype)
         head_DxV = self.embedding.T if self.lm_head is None else self.lm_head
-        logits_NxV = jnp.dot(h_NxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32)
-        return logits_NxV.reshape(b, t, -1)
+        logits_BTxV = jnp.dot(h_BTxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32)
+        return logits_BTxV.reshape(b, t, -1)
 
     def init_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty cache (every slot invalid) for canvases of up to `max_len` positions."""
@@ -108,7 +106,7 @@ class BlockDiffusionLM(eqx.Module):
                              config.compute_jnp_dtype)
 
     def forward_cached(self, chunk: ViewLayout, cache: KVCache, *,
-                       commit: Bool[ArrayLike, "B t"] | None = None) -> tuple[Float[Array, "B t V"], KVCache]:
+                       commit: Bool[ArrayLike, "B T"] | None = None) -> tuple[Float[Array, "B T V"], KVCache]:
         """Logits of `chunk` against `cache`, then write the `commit`-flagged entries to the cache.
 
         Chunk queries see the cache's valid entries (clean, with their block ids) and the chunk's

@@ -1,9 +1,9 @@
 """The compile-once block-diffusion sampler with exact denoising traces.
 
 Block by block over a left-padded canvas: each step samples every masked position of the block
-from `sampling_logprobs`, commits a confident set and records it (`DiffusionTrace`). The clean
-commit of block j-1 rides in the first step of block j, so a block costs only its denoising steps.
-Legend: B batch, P prompt length, N new tokens, b block size, S trace steps, V vocab.
+from the config's `SamplingDistribution`, commits a confident set and records it
+(`DiffusionTrace`). The clean commit of block j-1 rides in the first step of block j, so a block
+costs only its denoising steps. Shape letters: see bd_core (B, P, N, C = P + N, b, R, V).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray
 
-from bd_core import CLEAN_VIEW, DiffusionTrace, RolloutOutput, ViewLayout
+from bd_core import CLEAN_VIEW, DiffusionTrace, RolloutOutput, ViewLayout, config_error
 
-from ._sampler_config import SamplerConfig, SamplerConfigError
-from ._sampling_dist import confidence, sampling_logprobs, token_logprob
+from ._sampler_config import SamplerConfig
+from ._sampling_dist import confidence, token_logprob
 
 NOISY_VIEW = 1
 
@@ -71,27 +71,22 @@ class RecomputeModel(eqx.Module):
         return logits, cache
 
 
-class _Trace(NamedTuple):
-    block_ids: Array  # [B, S]
-    committed: Array  # [B, S, b]
-    tokens: Array  # [B, S, b]
-    logprobs: Array  # [B, S, b]
-    step_valid: Array  # [B, S]
+def _empty_trace(batch: int, steps: int, block: int) -> DiffusionTrace:
+    """A trace of `steps` steps with nothing recorded (it is filled step by step inside jit)."""
+    return DiffusionTrace(jnp.zeros((batch, steps), jnp.int32), jnp.zeros((batch, steps, block), bool),
+                          jnp.zeros((batch, steps, block), jnp.int32), jnp.zeros((batch, steps, block), jnp.float32),
+                          jnp.zeros((batch, steps), bool))
 
-    @classmethod
-    def empty(cls, batch: int, steps: int, block: int) -> _Trace:
-        return cls(jnp.zeros((batch, steps), jnp.int32), jnp.zeros((batch, steps, block), bool),
-                   jnp.zeros((batch, steps, block), jnp.int32), jnp.zeros((batch, steps, block), jnp.float32),
-                   jnp.zeros((batch, steps), bool))
 
-    def record(self, s, block_id, committed, tokens, logprobs, live) -> _Trace:
-        return _Trace(
-            self.block_ids.at[:, s].set(jnp.where(live, block_id, 0)),
-            self.committed.at[:, s].set(committed),
-            self.tokens.at[:, s].set(jnp.where(committed, tokens, 0)),
-            self.logprobs.at[:, s].set(jnp.where(committed, logprobs, 0.0)),
-            self.step_valid.at[:, s].set(live),
-        )
+def _record(trace: DiffusionTrace, r, block_id, committed_Bxb, tokens_Bxb, logprobs_Bxb, live_B) -> DiffusionTrace:
+    """`trace` with step `r` recorded; rows that are not live record an invalid, empty step."""
+    return DiffusionTrace(
+        trace.block_ids.at[:, r].set(jnp.where(live_B, block_id, 0)),
+        trace.committed.at[:, r].set(committed_Bxb),
+        trace.tokens.at[:, r].set(jnp.where(committed_Bxb, tokens_Bxb, 0)),
+        trace.logprobs.at[:, r].set(jnp.where(committed_Bxb, logprobs_Bxb, 0.0)),
+        trace.step_valid.at[:, r].set(live_B),
+    )
 
 
 class _Block(NamedTuple):
@@ -100,42 +95,17 @@ class _Block(NamedTuple):
     step: Array  # scalar int32
     tokens: Array  # [B, b] committed tokens, mask_id elsewhere
     masked: Array  # [B, b]
-    trace: _Trace
+    trace: DiffusionTrace
     nfe: Array  # [B]
 
 
-class _Knobs(NamedTuple):
-    """The numeric settings, passed traced so that changing them never recompiles."""
-
-    temperature: Array
-    top_k: Array
-    top_p: Array
-    threshold: Array
-
-
-def _split(config: SamplerConfig) -> tuple[SamplerConfig, _Knobs]:
-    """The compile key (structure: on/off switches, strategy, lengths, ids) and the traced values."""
-    knobs = _Knobs(jnp.float32(config.temperature), jnp.int32(config.top_k or 0), jnp.float32(config.top_p or 1.0),
-                   jnp.float32(config.threshold))
-    static = config.replace(temperature=0.0 if config.temperature == 0 else 1.0,
-                            top_k=None if config.top_k is None else 1,
-                            top_p=None if config.top_p is None else 1.0, threshold=0.0)
-    return static, knobs
-
-
-def _distribution(config: SamplerConfig, knobs: _Knobs) -> dict[str, Any]:
-    return dict(temperature=0.0 if config.temperature == 0 else knobs.temperature,
-                top_k=None if config.top_k is None else knobs.top_k,
-                top_p=None if config.top_p is None else knobs.top_p, banned_ids=config.banned_ids)
-
-
-def _commit_set(conf, masked, step, config: SamplerConfig, threshold):
+def _commit_set(conf, masked, step, config: SamplerConfig):
     """Which masked positions to commit this step (`[B, b]`): the strategy, then the last-step rule."""
     b = config.block_size
     conf = jnp.where(masked, conf, -jnp.inf)
     if config.strategy == "threshold":
         best = jax.nn.one_hot(jnp.argmax(conf, axis=-1), b, dtype=bool)
-        pick = (conf >= threshold) | best
+        pick = (conf >= jnp.asarray(config.threshold, jnp.float32)) | best
     else:
         steps = config.steps_cap
         counts = jnp.asarray([b // steps + (i < b % steps) for i in range(steps)], jnp.int32)
@@ -144,7 +114,7 @@ def _commit_set(conf, masked, step, config: SamplerConfig, threshold):
     return masked & (pick | (step == config.steps_cap - 1))
 
 
-def _generate(model, prompt_tokens, prompt_valid, key, knobs: _Knobs, config: SamplerConfig):
+def _generate(model, prompt_tokens, prompt_valid, key, config: SamplerConfig):
     batch, prompt_len = prompt_tokens.shape
     b, n_blocks, cap = config.block_size, config.num_blocks, config.steps_cap
     first_block = prompt_len // b
@@ -160,17 +130,16 @@ def _generate(model, prompt_tokens, prompt_valid, key, knobs: _Knobs, config: Sa
 
     def denoise(state: _Block, logits, j, live) -> _Block:
         step_key = jax.random.fold_in(jax.random.fold_in(key, j), state.step)
-        logp = sampling_logprobs(logits, **_distribution(config, knobs))
+        distribution = config.distribution
+        logp = distribution.logprobs(logits)
         tokens = jax.random.categorical(step_key, logp, axis=-1).astype(jnp.int32)
         # a greedy distribution is one-hot: its confidence would always be 1, so greedy decoding
         # scores confidence under the untempered distribution (same filters and bans)
-        conf_logp = logp if config.temperature else sampling_logprobs(
-            logits, **{**_distribution(config, knobs), "temperature": jnp.float32(1.0)})
-        commit = _commit_set(confidence(conf_logp, tokens, config.confidence), state.masked, state.step, config,
-                             knobs.threshold)
+        conf_logp = distribution.untempered().logprobs(logits) if distribution.greedy else logp
+        commit = _commit_set(confidence(conf_logp, tokens, config.confidence), state.masked, state.step, config)
         commit = commit & live[:, None]
-        trace = state.trace.record(j * cap + state.step, first_block + j, commit, tokens,
-                                   token_logprob(logp, tokens), live)
+        trace = _record(state.trace, j * cap + state.step, first_block + j, commit, tokens,
+                        token_logprob(logp, tokens), live)
         return _Block(state.step + 1, jnp.where(commit, tokens, state.tokens), state.masked & ~commit, trace,
                       state.nfe + live.astype(jnp.int32))
 
@@ -210,10 +179,10 @@ def _generate(model, prompt_tokens, prompt_valid, key, knobs: _Knobs, config: Sa
     carry = (jnp.int32(0), cache,
              jnp.full((batch, config.max_new_tokens), config.pad_id, jnp.int32),
              jnp.zeros((batch, config.max_new_tokens), bool), jnp.zeros((batch,), bool),
-             prompt_tokens[:, -b:], prompt_valid[:, -b:], _Trace.empty(batch, n_blocks * cap, b), nfe)
+             prompt_tokens[:, -b:], prompt_valid[:, -b:], _empty_trace(batch, n_blocks * cap, b), nfe)
     carry = jax.lax.while_loop(lambda c: (c[0] < n_blocks) & ~jnp.all(c[4]), block_body, carry)
     _, _, canvas, canvas_valid, _, _, _, trace, nfe = carry
-    return RolloutOutput(prompt_tokens, prompt_valid, canvas, canvas_valid, nfe, trace=DiffusionTrace(*trace))
+    return RolloutOutput(prompt_tokens, prompt_valid, canvas, canvas_valid, nfe, trace=trace)
 
 
 _generate_jit = eqx.filter_jit(_generate)
@@ -231,7 +200,8 @@ def sample(
 
     `prompts` is `(tokens [B, P] int32, valid [B, P] bool)`, P a multiple of the block size.
     Compiled once per (B, P) and config structure (lengths, strategy, confidence rule, stop ids,
-    which filters are on); temperature, top-k, top-p, threshold values and the weights are traced.
+    which filters are on, greedy or not); the config's leaves (temperature, top-k, top-p and
+    threshold values) and the weights are traced.
     `use_cache=False` reruns the whole canvas every step (the reference and speed baseline).
     The trace's `block_ids` are canvas blocks (`position // block_size`); `nfe[r]` counts the
     forward passes in which row r took part (prefill included).
@@ -242,13 +212,12 @@ def sample(
                          f"{prompt_tokens.shape} and {prompt_valid.shape}")
     model_config = model.config
     if model_config.block_size != config.block_size:
-        raise SamplerConfigError(f"SamplerConfig.block_size: {config.block_size} differs from the model's "
-                                 f"block_size={model_config.block_size}; set them equal")
+        raise config_error("SamplerConfig", "block_size", config.block_size,
+                           f"the model's block_size={model_config.block_size}", "set them equal")
     config.check_vocab(model_config.vocab_size)
     prompt_len = prompt_tokens.shape[1]
     if prompt_len < config.block_size or prompt_len % config.block_size:
         raise ValueError(f"sample: prompt length {prompt_len} must be a positive multiple of block_size="
                          f"{config.block_size}; left-pad the prompts (valid=False) to such a length")
     engine = model if use_cache else RecomputeModel(model)
-    static, knobs = _split(config)
-    return _generate_jit(engine, prompt_tokens, prompt_valid, key, knobs, static)
+    return _generate_jit(engine, prompt_tokens, prompt_valid, key, config)

@@ -1,38 +1,42 @@
-"""`SamplerConfig`: the frozen, validated settings of the block-diffusion denoising sampler.
+"""`SamplerConfig`: the validated settings of the block-diffusion denoising sampler.
 
-Lengths, the sampling distribution (temperature -> top-k -> top-p, banned mask/pad ids), the commit
-strategy and confidence rule, and stop ids. Every error names the field and how to fix it.
+Lengths, the sampling distribution (a `SamplingDistribution`, with the mask and pad ids banned),
+the commit strategy, threshold and confidence rule, and stop ids. Every error names the field and
+how to fix it.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Any
 
+import equinox as eqx
+import numpy as np
+from jaxtyping import Array, Float
+
+from bd_core import config_error
+
+from ._sampling_dist import SamplingDistribution
+
 STRATEGIES = ("threshold", "steps")
 CONFIDENCE_RULES = ("probability", "margin", "entropy")
-
-
-class SamplerConfigError(ValueError):
-    """A sampler config field with an invalid value."""
-
-
-def _fail(field: str, message: str) -> None:
-    raise SamplerConfigError(f"SamplerConfig.{field}: {message}")
+OWNER = "SamplerConfig"
+# to_dict's keys, in this order: what fingerprints (`bd_train.rollout_semantics`) read
+DICT_KEYS = ("block_size", "max_new_tokens", "mask_id", "pad_id", "temperature", "top_k", "top_p", "strategy",
+             "threshold", "steps_per_block", "max_steps_per_block", "confidence", "stop_ids")
 
 
 def _check_int(field: str, value: Any, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        _fail(field, f"expected an int >= {low}, got {value!r}")
+        raise config_error(OWNER, field, value, f"an int >= {low}")
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplerConfig:
+class SamplerConfig(eqx.Module):
     """How to denoise `max_new_tokens` (a multiple of `block_size`) block by block.
 
-    Distribution: logits / `temperature` (0 = greedy), then the `top_k` largest, then the smallest
-    set with mass >= `top_p`, renormalized; `mask_id` and `pad_id` are never sampled.
+    Distribution: `distribution` (default `SamplingDistribution()`: temperature 1, no filters),
+    stored with `mask_id` and `pad_id` banned, so they are never sampled.
     Commit strategy per step: `threshold` commits every masked position whose confidence is >=
     `threshold` (at least the most confident one), for at most `max_steps_per_block` steps
     (default `block_size`); `steps` commits `block_size / steps_per_block` positions per step
@@ -40,74 +44,82 @@ class SamplerConfig:
     sampled token's `probability`, the top-1 minus top-2 `margin`, or `entropy` as exp(-H); all lie
     in [0, 1] (greedy decoding scores it at temperature 1). A row stops after the block that
     contains one of `stop_ids`.
+
+    The run-time knobs (the distribution's numbers and `threshold`) are 0-d array leaves and
+    everything else is static, so `eqx.filter_jit` compiles once per structure and traces the
+    knobs. Like the distribution's, `threshold` holds the value as given (a float64 numpy scalar,
+    float32 under jit), so `to_dict` returns exactly the configured number. `to_dict`,
+    `check_vocab`, `replace` and hashing read the leaves, so they run outside jit.
     """
 
-    block_size: int
-    max_new_tokens: int
-    mask_id: int
-    pad_id: int
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    strategy: str = "threshold"
-    threshold: float = 0.9
-    steps_per_block: int | None = None
-    max_steps_per_block: int | None = None
-    confidence: str = "probability"
-    stop_ids: Sequence[int] = ()
+    block_size: int = eqx.field(static=True)
+    max_new_tokens: int = eqx.field(static=True)
+    mask_id: int = eqx.field(static=True)
+    pad_id: int = eqx.field(static=True)
+    distribution: SamplingDistribution
+    strategy: str = eqx.field(static=True)
+    threshold: Float[Array | np.ndarray, ""]
+    steps_per_block: int | None = eqx.field(static=True)
+    max_steps_per_block: int | None = eqx.field(static=True)
+    confidence: str = eqx.field(static=True)
+    stop_ids: tuple[int, ...] = eqx.field(static=True)
 
-    def __post_init__(self):
-        _check_int("block_size", self.block_size, 1)
-        _check_int("max_new_tokens", self.max_new_tokens, 1)
-        if self.max_new_tokens % self.block_size:
-            up = -(-self.max_new_tokens // self.block_size) * self.block_size
-            _fail("max_new_tokens", f"{self.max_new_tokens} is not a multiple of block_size={self.block_size}; "
-                                    f"use {up}")
-        _check_int("mask_id", self.mask_id, 0)
-        _check_int("pad_id", self.pad_id, 0)
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not 0 <= self.temperature < float("inf"):
-            _fail("temperature", f"expected a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if self.top_k is not None:
-            _check_int("top_k", self.top_k, 1)
-        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
-                                       or not 0 < self.top_p <= 1):
-            _fail("top_p", f"expected a number in (0, 1] or None to disable, got {self.top_p!r}")
-        if self.strategy not in STRATEGIES:
-            _fail("strategy", f"expected one of {STRATEGIES}, got {self.strategy!r}")
-        if self.confidence not in CONFIDENCE_RULES:
-            _fail("confidence", f"expected one of {CONFIDENCE_RULES}, got {self.confidence!r}")
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
-                or not 0 <= self.threshold <= 1:
-            _fail("threshold", f"expected a number in [0, 1] (confidences lie in [0, 1]), got {self.threshold!r}")
-        if self.strategy == "steps":
-            if self.max_steps_per_block is not None:
-                _fail("max_steps_per_block", "applies to strategy='threshold'; with strategy='steps' set "
-                                             "steps_per_block instead")
-            if self.steps_per_block is not None:
-                self._check_steps("steps_per_block", self.steps_per_block)
-        else:
-            if self.steps_per_block is not None:
-                _fail("steps_per_block", "applies to strategy='steps'; with strategy='threshold' set "
-                                         "max_steps_per_block instead")
-            if self.max_steps_per_block is not None:
-                self._check_steps("max_steps_per_block", self.max_steps_per_block)
+    def __init__(self, block_size: int, max_new_tokens: int, mask_id: int, pad_id: int, *,
+                 distribution: SamplingDistribution | None = None, strategy: str = "threshold",
+                 threshold: float | int = 0.9, steps_per_block: int | None = None,
+                 max_steps_per_block: int | None = None, confidence: str = "probability",
+                 stop_ids: Sequence[int] = ()):
+        _check_int("block_size", block_size, 1)
+        _check_int("max_new_tokens", max_new_tokens, 1)
+        if max_new_tokens % block_size:
+            up = -(-max_new_tokens // block_size) * block_size
+            raise config_error(OWNER, "max_new_tokens", max_new_tokens, f"a multiple of block_size={block_size}",
+                               f"use {up}")
+        _check_int("mask_id", mask_id, 0)
+        _check_int("pad_id", pad_id, 0)
+        if distribution is None:
+            distribution = SamplingDistribution()
+        if not isinstance(distribution, SamplingDistribution):
+            raise config_error(OWNER, "distribution", distribution, "a SamplingDistribution")
+        if strategy not in STRATEGIES:
+            raise config_error(OWNER, "strategy", strategy, f"one of {STRATEGIES}")
+        if confidence not in CONFIDENCE_RULES:
+            raise config_error(OWNER, "confidence", confidence, f"one of {CONFIDENCE_RULES}")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
+            raise config_error(OWNER, "threshold", threshold, "a number in [0, 1] (confidences lie in [0, 1])")
+        # each strategy has its own step cap; the other one's must stay unset
+        (steps_field, steps), (other_field, other) = (
+            (("steps_per_block", steps_per_block), ("max_steps_per_block", max_steps_per_block)) if strategy == "steps"
+            else (("max_steps_per_block", max_steps_per_block), ("steps_per_block", steps_per_block)))
+        if other is not None:
+            raise config_error(OWNER, other_field, other, f"None with strategy={strategy!r}",
+                               f"set {steps_field} instead")
+        if steps is not None:
+            _check_int(steps_field, steps, 1)
+            if steps > block_size:
+                raise config_error(OWNER, steps_field, steps, f"at most block_size={block_size}",
+                                   "every step commits at least one token")
         try:
-            stop_ids = tuple(self.stop_ids)
+            stops = tuple(stop_ids)
         except TypeError:
-            _fail("stop_ids", f"expected a sequence of token ids, got {self.stop_ids!r}")
-        for token in stop_ids:
+            raise config_error(OWNER, "stop_ids", stop_ids, "a sequence of token ids") from None
+        for token in stops:
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                _fail("stop_ids", f"expected token ids >= 0, got {token!r} in {stop_ids}")
-            if token in (self.mask_id, self.pad_id):
-                _fail("stop_ids", f"{token} is the mask or pad id, which is never sampled; drop it")
-        object.__setattr__(self, "stop_ids", stop_ids)  # lists become tuples: the config stays hashable
-
-    def _check_steps(self, field: str, value: Any) -> None:
-        _check_int(field, value, 1)
-        if value > self.block_size:
-            _fail(field, f"{value} exceeds block_size={self.block_size}; every step commits at least one "
-                         f"token, so use at most {self.block_size}")
+                raise config_error(OWNER, "stop_ids", stops, "token ids >= 0", f"drop {token!r}")
+            if token in (mask_id, pad_id):
+                raise config_error(OWNER, "stop_ids", stops, "ids that can be sampled",
+                                   f"drop {token}: it is the mask or pad id, which is never sampled")
+        self.block_size = block_size
+        self.max_new_tokens = max_new_tokens
+        self.mask_id = mask_id
+        self.pad_id = pad_id
+        self.distribution = distribution.with_banned((mask_id, pad_id))
+        self.strategy = strategy
+        self.threshold = np.asarray(threshold, np.float64)
+        self.steps_per_block = steps_per_block
+        self.max_steps_per_block = max_steps_per_block
+        self.confidence = confidence
+        self.stop_ids = stops
 
     @property
     def num_blocks(self) -> int:
@@ -122,25 +134,51 @@ class SamplerConfig:
 
     @property
     def banned_ids(self) -> tuple[int, ...]:
-        return tuple(sorted({self.mask_id, self.pad_id}))
-
-    def distribution_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `sampling_logprobs` (and trace scoring) for this config."""
-        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, banned_ids=self.banned_ids)
+        """The ids never sampled: the mask and pad ids, and any the distribution bans."""
+        return self.distribution.banned_ids
 
     def check_vocab(self, vocab_size: int) -> None:
         """Ids must exist in the model's vocabulary; top-k must leave something to sample."""
         for field in ("mask_id", "pad_id"):
             if getattr(self, field) >= vocab_size:
-                _fail(field, f"{getattr(self, field)} is outside the model's vocab_size={vocab_size}")
+                raise config_error(OWNER, field, getattr(self, field), f"an id < the model's vocab_size={vocab_size}")
         for token in self.stop_ids:
             if token >= vocab_size:
-                _fail("stop_ids", f"{token} is outside the model's vocab_size={vocab_size}")
-        if self.top_k is not None and self.top_k > vocab_size:
-            _fail("top_k", f"{self.top_k} exceeds vocab_size={vocab_size}; use at most {vocab_size} or None")
+                raise config_error(OWNER, "stop_ids", self.stop_ids, f"ids < the model's vocab_size={vocab_size}",
+                                   f"drop {token}")
+        for token in self.banned_ids:
+            if token >= vocab_size:
+                raise config_error("SamplingDistribution", "banned_ids", self.banned_ids,
+                                   f"ids < the model's vocab_size={vocab_size}", f"drop {token}")
+        top_k = self.distribution.to_dict()["top_k"]
+        if top_k is not None and top_k > vocab_size:
+            raise config_error("SamplingDistribution", "top_k", top_k, f"at most vocab_size={vocab_size}",
+                               f"use at most {vocab_size} or None")
 
     def replace(self, **changes: Any) -> SamplerConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with some settings changed (`distribution=` and `threshold=` included), revalidated."""
+        unknown = sorted(set(changes) - set(_INIT_FIELDS))
+        if unknown:
+            raise config_error(OWNER, "replace", unknown, f"settings among {list(_INIT_FIELDS)}")
+        current = {name: getattr(self, name) for name in _INIT_FIELDS}
+        current["threshold"] = float(self.threshold)
+        # the constructor bans the (possibly new) mask and pad ids; drop the ones it added before
+        ours = {self.mask_id, self.pad_id}
+        current["distribution"] = self.distribution._with(
+            banned_ids=tuple(i for i in self.distribution.banned_ids if i not in ours))
+        return SamplerConfig(**{**current, **changes})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain Python values under `DICT_KEYS` (the distribution's fields flattened in)."""
+        values = {name: getattr(self, name) for name in DICT_KEYS if name in _INIT_FIELDS}
+        distribution = self.distribution.to_dict()
+        values.update(temperature=distribution["temperature"], top_k=distribution["top_k"],
+                      top_p=distribution["top_p"], threshold=float(self.threshold))
+        return {name: values[name] for name in DICT_KEYS}
+
+    def __hash__(self) -> int:
+        return hash((json.dumps(self.to_dict(), sort_keys=True), self.distribution))
+
+
+_INIT_FIELDS = ("block_size", "max_new_tokens", "mask_id", "pad_id", "distribution", "strategy", "threshold",
+                "steps_per_block", "max_steps_per_block", "confidence", "stop_ids")

@@ -1,36 +1,119 @@
 """The sampling distribution, shared by the sampler and by trace scoring.
 
-`sampling_logprobs` applies temperature -> top-k -> top-p and bans ids; both the sampler and the
-replay scorer call it, which is what makes recorded and replayed log-probs agree. Also the
-confidence rules and the entropy of that distribution. Legend: B batch, N positions, V vocab.
+`SamplingDistribution` applies bans -> temperature -> top-k -> top-p (`sampling_logprobs`); the
+sampler samples from it and `token_logprobs` replays traces under it, which is what makes recorded
+and replayed log-probs agree. Also the confidence rules and the entropy of that distribution.
+Shape letters: see bd_core (`*batch` any leading axes, V vocab).
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Sequence
+from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int
+
+from bd_core import config_error
 
 NEG_INF = -jnp.inf
+OWNER = "SamplingDistribution"
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+class SamplingDistribution(eqx.Module):
+    """Logits with `banned_ids` excluded, divided by `temperature` (0 = greedy: the first argmax),
+    then the `top_k` largest, then the smallest set with mass >= `top_p`, renormalized; `None`
+    turns a filter off.
+
+    The numeric settings are 0-d array leaves, so `eqx.filter_jit` traces them and one compile
+    serves every value; whether a filter is on, greedy decoding and the banned ids are structure.
+    The leaves hold the values as given (float64/int64 numpy), so `to_dict` (and the fingerprints
+    built from it) read back exactly what was configured; every computation casts them to
+    float32/int32, and under jit they arrive as float32/int32.
+    """
+
+    temperature: Float[Array | np.ndarray, ""]
+    top_k: Int[Array | np.ndarray, ""] | None
+    top_p: Float[Array | np.ndarray, ""] | None
+    greedy: bool = eqx.field(static=True)
+    banned_ids: tuple[int, ...] = eqx.field(static=True)
+
+    def __init__(self, temperature: float | int = 1.0, top_k: int | None = None, top_p: float | int | None = None,
+                 banned_ids: Sequence[int] = ()):
+        if not _is_number(temperature) or not 0 <= temperature < math.inf:
+            raise config_error(OWNER, "temperature", temperature, "a finite number >= 0 (0 = greedy)")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise config_error(OWNER, "top_k", top_k, "an int >= 1, or None to disable")
+        if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
+            raise config_error(OWNER, "top_p", top_p, "a number in (0, 1], or None to disable")
+        try:
+            ids = tuple(banned_ids)
+        except TypeError:
+            raise config_error(OWNER, "banned_ids", banned_ids, "a sequence of token ids") from None
+        for token in ids:
+            if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0:
+                raise config_error(OWNER, "banned_ids", ids, "token ids >= 0", f"drop {token!r}")
+        self.temperature = np.asarray(temperature, np.float64)
+        self.top_k = None if top_k is None else np.asarray(top_k, np.int64)
+        self.top_p = None if top_p is None else np.asarray(top_p, np.float64)
+        self.greedy = temperature == 0
+        self.banned_ids = tuple(sorted({int(token) for token in ids}))
+
+    def _with(self, **changes: Any) -> SamplingDistribution:
+        """A copy with some fields replaced, without revalidating (the leaves may be traced)."""
+        out = object.__new__(SamplingDistribution)
+        for name in ("temperature", "top_k", "top_p", "greedy", "banned_ids"):
+            object.__setattr__(out, name, changes.get(name, getattr(self, name)))
+        return out
+
+    def logprobs(self, logits: Float[Array, "*batch V"]) -> Float[Array, "*batch V"]:
+        """Float32 log-probs of the distribution; excluded ids are -inf (see `sampling_logprobs`)."""
+        return sampling_logprobs(logits, temperature=0 if self.greedy else self.temperature, top_k=self.top_k,
+                                 top_p=self.top_p, banned_ids=self.banned_ids)
+
+    def untempered(self) -> SamplingDistribution:
+        """The same filters and bans at temperature 1 (how greedy decoding scores confidence)."""
+        return self._with(temperature=jnp.float32(1.0), greedy=False)
+
+    def with_banned(self, ids: Sequence[int]) -> SamplingDistribution:
+        """The same distribution with `ids` banned too."""
+        return self._with(banned_ids=tuple(sorted(set(self.banned_ids) | {int(token) for token in ids})))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain Python values (outside jit): temperature, top_k, top_p, banned_ids."""
+        return {"temperature": float(self.temperature),
+                "top_k": None if self.top_k is None else int(self.top_k),
+                "top_p": None if self.top_p is None else float(self.top_p),
+                "banned_ids": list(self.banned_ids)}
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
 
 
 def sampling_logprobs(
-    logits: Float[Array, "*batch vocab"],
+    logits: Float[Array, "*batch V"],
     *,
-    temperature: float | int | Float[Array, ""],
-    top_k: int | Int[Array, ""] | None = None,
-    top_p: float | int | Float[Array, ""] | None = None,
+    temperature: float | int | Float[ArrayLike, ""],
+    top_k: int | Int[ArrayLike, ""] | None = None,
+    top_p: float | int | Float[ArrayLike, ""] | None = None,
     banned_ids: Sequence[int] = (),
-) -> Float[Array, "*batch vocab"]:
+) -> Float[Array, "*batch V"]:
     """Float32 log-probs of the distribution actually sampled; excluded ids are -inf.
 
     Banned ids go first so that top-k and top-p only ever keep samplable ids. Ties at the top-k or
     top-p boundary keep every tied id (a deterministic rule, so sampler and replay agree).
-    `temperature`, `top_k` and `top_p` may be traced scalars (the sampler passes them so, and
-    compiles once for all values); `None` turns a filter off and the Python number 0 is greedy:
-    log-prob 0 on the first argmax, -inf elsewhere.
+    `temperature`, `top_k` and `top_p` may be traced scalars (compiled once for all values);
+    `None` turns a filter off and the Python number 0 is greedy: log-prob 0 on the first argmax,
+    -inf elsewhere.
     """
     x = logits.astype(jnp.float32)
     vocab = x.shape[-1]
@@ -60,17 +143,17 @@ def sampling_logprobs(
     return logp
 
 
-def token_logprob(logp: Float[Array, "*batch vocab"], tokens: Int[Array, "*batch"]) -> Float[Array, "*batch"]:
+def token_logprob(logp: Float[Array, "*batch V"], tokens: Int[Array, "*batch"]) -> Float[Array, "*batch"]:
     return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
-def entropy(logp: Float[Array, "*batch vocab"]) -> Float[Array, "*batch"]:
+def entropy(logp: Float[Array, "*batch V"]) -> Float[Array, "*batch"]:
     """Entropy of a distribution given by log-probs; excluded (-inf) ids contribute 0."""
     finite = jnp.isfinite(logp)
     return -jnp.sum(jnp.where(finite, jnp.exp(logp) * jnp.where(finite, logp, 0.0), 0.0), axis=-1)
 
 
-def confidence(logp: Float[Array, "*batch vocab"], tokens: Int[Array, "*batch"], rule: str) -> Float[Array, "*batch"]:
+def confidence(logp: Float[Array, "*batch V"], tokens: Int[Array, "*batch"], rule: str) -> Float[Array, "*batch"]:
     """How sure the sampler is of a position, in [0, 1] for every rule (so one threshold scale)."""
     if rule == "probability":
         return jnp.exp(token_logprob(logp, tokens))

@@ -13,6 +13,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from bd_core import ConfigError
+
 from ._attention import BATCH_AXES, MODEL_AXIS
 from ._config import ModelConfig
 
@@ -44,7 +46,7 @@ def make_mesh(data: int, fsdp: int, model: int, devices: Sequence[jax.Device] | 
     return jax.make_mesh((data, fsdp, model), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
-class MeshError(ValueError):
+class MeshError(ConfigError):
     """A batch or model size that does not divide the mesh axes it is sharded over."""
 
 

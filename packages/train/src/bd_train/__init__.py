@@ -1,4 +1,7 @@
-"""bd_train: objectives (SFT, OPD, GRPO family), the trainer and Orbax checkpoints.
+"""bd_train: objectives (SFT, OPD, GRPO family), exact trace replay, the trainer, the training
+loop and Orbax checkpoints — the library half. The pipeline's stages live in `bd_train.stages`
+(import it on its own: it brings W&B, plots and the run config), multi-process start-up in
+`bd_train.distributed`.
 
 Every objective returns a `bd_core.LossOutput`; the trainer accumulates Σ∇numerator and
 Σdenominator over microbatches and devices and normalizes once.
@@ -33,15 +36,12 @@ from ._optim import OptimizerConfig as OptimizerConfig
 from ._optim import make_optimizer as make_optimizer
 from ._replay import ReplayBatch as ReplayBatch
 from ._replay import build_replay as build_replay
+from ._replay import replay_capacity as replay_capacity
 from ._replay import replay_views as replay_views
-from ._scoring import token_logprobs as token_logprobs
 from ._sft import sft_loss as sft_loss
 from ._sft import sft_objective as sft_objective
 from ._sft import token_cross_entropy as token_cross_entropy
 from ._trainer import NonFiniteError as NonFiniteError
-from ._trainer import StreamAccumulator as StreamAccumulator
 from ._trainer import Trainer as Trainer
 from ._trainer import TrainerConfig as TrainerConfig
 from ._trainer import TrainState as TrainState
-from ._tracking import Tracker as Tracker
-from . import stages as stages

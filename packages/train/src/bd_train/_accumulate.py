@@ -21,12 +21,23 @@ LossFn = Callable[[Any, Any, jax.Array], Any]
 
 
 class Accumulated(eqx.Module):
-    """Running sums over microbatches: float32 Σ∇numerator (shaped like the trainable arrays), the
-    loss as a scalar `WeightedMetric`, and the aux metrics with a leading microbatch axis."""
+    """Unnormalized sums over microbatches: float32 Σ∇numerator (shaped like the trainable
+    arrays), the loss as a scalar `WeightedMetric` (Σnumerator, Σdenominator) and how many
+    microbatches were added. The one accumulator type: `accumulate` returns it for the
+    microbatches of one call, and a streaming `TrainState` carries it across calls."""
 
     grads: Any
     loss: WeightedMetric
-    aux: dict[str, Any]
+    count: jax.Array
+
+    @classmethod
+    def zeros(cls, params: Any, *, eps: float | None = None, min_denom: float | None = None) -> Accumulated:
+        zero = jnp.zeros((), jnp.float32)
+        return cls(zeros_like_grads(params), WeightedMetric(zero, zero, eps, min_denom), jnp.zeros((), jnp.int32))
+
+    def __add__(self, other: Accumulated) -> Accumulated:
+        return Accumulated(jax.tree_util.tree_map(jnp.add, self.grads, other.grads), self.loss + other.loss,
+                           self.count + other.count)
 
 
 def _leading_size(tree: Any) -> int:
@@ -101,11 +112,12 @@ def zeros_like_grads(params: Any) -> Any:
 
 
 def accumulate(loss_fn: LossFn, params: Any, static: Any, microbatches: Any, *, key: jax.Array,
-               update_step: jax.Array, start_index: jax.Array | int = 0) -> Accumulated:
+               update_step: jax.Array, start_index: jax.Array | int = 0) -> tuple[Accumulated, dict[str, Any]]:
     """Scan `loss_fn(model, microbatch, key)` over the leading axis of `microbatches`.
 
     `params`/`static` are the `eqx.partition` of the model; only `params` is differentiated.
-    Returns unnormalized sums; divide with `normalize`.
+    Returns the unnormalized sums (divide with `normalize`) and the aux metrics with a leading
+    microbatch axis.
     """
 
     def numerator(p, mb, mb_key):
@@ -129,8 +141,8 @@ def accumulate(loss_fn: LossFn, params: Any, static: Any, microbatches: Any, *, 
 
     init = (zeros_like_grads(params), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
     (grads, num, den), (totals, aux) = jax.lax.scan(body, init, (microbatches, jnp.arange(count)))
-    settings = dict(eps=totals.eps, min_denom=totals.min_denom)
-    return Accumulated(grads, WeightedMetric(num, den, **settings), aux)
+    loss = WeightedMetric(num, den, totals.eps, totals.min_denom)
+    return Accumulated(grads, loss, jnp.asarray(count, jnp.int32)), aux
 
 
 def normalize(grads: Any, loss: WeightedMetric) -> Any:

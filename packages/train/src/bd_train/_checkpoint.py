@@ -10,7 +10,7 @@ import dataclasses
 import importlib.metadata
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import grain
@@ -22,7 +22,9 @@ import orbax.checkpoint as ocp
 from bd_core import Fingerprint, FingerprintMismatch
 
 from ._fingerprints import as_plain_dict
-from ._trainer import TrainState
+
+if TYPE_CHECKING:
+    from ._trainer import TrainState
 
 ARRAY_ITEMS = ("model", "opt_state", "rng", "counters")
 _VERSIONED = ("bd-core", "bd-data", "bd-models", "bd-train", "jax", "equinox", "optax", "orbax-checkpoint", "grain")
@@ -37,7 +39,8 @@ class CheckpointMismatch(CheckpointError):
 
     def __init__(self, differences: Mapping[str, tuple[Any, Any]], context: str):
         self.differences = dict(differences)
-        lines = [f"  {path}: saved {saved}, target {target}" for path, (saved, target) in sorted(self.differences.items())]
+        lines = [f"  {path}: saved {saved}, target {target}"
+                 for path, (saved, target) in sorted(self.differences.items())]
         super().__init__(
             f"{context}: the saved tree differs from the target in {len(lines)} leaf/leaves:\n" + "\n".join(lines)
             + "\nBuild the target with the config the checkpoint was made with, or start from a matching checkpoint."
@@ -99,7 +102,8 @@ def _arrays_of(state: TrainState) -> dict[str, Any]:
     return {
         "model": _nested(state.model),
         "opt_state": _nested(state.opt_state),
-        "rng": {"key": jax.eval_shape(jax.random.key_data, key) if isinstance(key, jax.ShapeDtypeStruct) and _is_key(key)
+        "rng": {"key": jax.eval_shape(jax.random.key_data, key)
+                if isinstance(key, jax.ShapeDtypeStruct) and _is_key(key)
                 else jax.random.key_data(key) if _is_key(key) else key},
         "counters": {"step": state.step, "nonfinite_total": state.nonfinite_total,
                      "nonfinite_streak": state.nonfinite_streak},
@@ -121,7 +125,7 @@ def _abstract(x: Any, mesh: jax.sharding.Mesh | None = None) -> jax.ShapeDtypeSt
 def _mesh_of(tree: Any) -> jax.sharding.Mesh | None:
     for leaf in jax.tree_util.tree_leaves(tree):
         sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding):
+        if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(sharding.mesh, jax.sharding.Mesh):
             return sharding.mesh
     return None
 
@@ -154,7 +158,7 @@ class Checkpointer:
         if not create and not os.path.isdir(self.directory):
             raise CheckpointError(f"checkpoint directory {self.directory} does not exist; check the path, or pass "
                                   "create=True to start a new one")
-        handlers = {name: ocp.StandardCheckpointHandler() for name in ARRAY_ITEMS}
+        handlers: dict[str, Any] = {name: ocp.StandardCheckpointHandler() for name in ARRAY_ITEMS}
         handlers["meta"] = ocp.JsonCheckpointHandler()
         handlers["data"] = grain.checkpoint.CheckpointHandler()
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create,
@@ -205,7 +209,7 @@ class Checkpointer:
             "has_data_state": data_iterator is not None,
         }
         # Orbax refuses empty trees (e.g. plain SGD's optimizer state): such items are left out.
-        items = {name: ocp.args.StandardSave(tree) for name, tree in _arrays_of(state).items() if tree}
+        items: dict[str, Any] = {name: ocp.args.StandardSave(tree) for name, tree in _arrays_of(state).items() if tree}
         items["meta"] = ocp.args.JsonSave(meta)
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
@@ -242,10 +246,12 @@ class Checkpointer:
     def check_tree(self, target: TrainState, step: int | None = None) -> None:
         """Raise `CheckpointMismatch` naming every leaf whose shape or dtype differs, or that
         exists on one side only."""
-        step = self._resolve(step)
+        self._check_items(_arrays_of(target), self._resolve(step))
+
+    def _check_items(self, items: Mapping[str, Any], step: int) -> None:
         metadata = self._manager.item_metadata(step)
         differences = {}
-        for name, tree in _arrays_of(target).items():
+        for name, tree in items.items():
             item = metadata.get(name) if hasattr(metadata, "get") else metadata[name]
             if item is None and name in ("rng", "counters"):
                 raise CheckpointError(f"checkpoint {self.directory} step {step} has no {name!r} item; it is "
@@ -264,6 +270,20 @@ class Checkpointer:
         if differences:
             raise CheckpointMismatch(differences, f"checkpoint {self.directory} step {step}")
 
+    def restore_model(self, target: Any, *, step: int | None = None,
+                      fingerprints: Mapping[str, Fingerprint] | None = None) -> Any:
+        """Only the model of a saved state, restored into the structure, shardings and dtypes of
+        `target` (a model, or its `eqx.filter_eval_shape` with shardings), after checking
+        `fingerprints` and the model's leaves; the optimizer state is not read."""
+        step = self._resolve(step)
+        self.check_fingerprints(fingerprints or {}, step)
+        self._check_items({"model": _nested(target)}, step)
+        arrays = _nested(target)
+        mesh = _mesh_of(arrays)
+        abstract = jax.tree_util.tree_map(lambda x: _abstract(x, mesh), arrays)
+        restored = self._manager.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(abstract)))
+        return _fill(target, restored["model"])
+
     def restore(self, target: TrainState, *, step: int | None = None,
                 fingerprints: Mapping[str, Fingerprint] | None = None, data_iterator: Any = None) -> TrainState:
         """Restore into the structure, shardings and dtypes of `target` (a fresh state, or one of
@@ -277,8 +297,9 @@ class Checkpointer:
                                   "without data_iterator= and position the data yourself")
         arrays = _arrays_of(target)
         mesh = _mesh_of(arrays)
-        items = {name: ocp.args.StandardRestore(jax.tree_util.tree_map(lambda x: _abstract(x, mesh), tree))
-                 for name, tree in arrays.items() if tree}
+        items: dict[str, Any] = {
+            name: ocp.args.StandardRestore(jax.tree_util.tree_map(lambda x: _abstract(x, mesh), tree))
+            for name, tree in arrays.items() if tree}
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))

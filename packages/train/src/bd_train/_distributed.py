@@ -1,12 +1,12 @@
 """JAX multi-controller start-up: one process per host (or per local CPU worker), joined through a
-coordinator named by the environment or by Metaflow's `current.parallel`. After `initialize`,
-meshes span every process's devices and the rest of the stack runs unchanged.
+coordinator named by the environment or by the orchestrator (the flow builds a `ProcessGroup`
+from Metaflow's `current.parallel`). After `initialize`, meshes span every process's devices and
+the rest of the stack runs unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import socket
 
@@ -15,10 +15,6 @@ import jax
 COORDINATOR_ENV = "BDLM_COORDINATOR_ADDRESS"
 NUM_PROCESSES_ENV = "BDLM_NUM_PROCESSES"
 PROCESS_ID_ENV = "BDLM_PROCESS_ID"
-PORT_ENV = "BDLM_COORDINATOR_PORT"
-# Metaflow's @parallel gives every node the control node's address but no port: the nodes derive
-# the same one from the control task's id, in a range that avoids the usual service ports.
-_PORT_BASE, _PORT_SPAN = 20000, 20000
 
 
 class DistributedError(RuntimeError):
@@ -32,10 +28,6 @@ class ProcessGroup:
     coordinator_address: str | None
     num_processes: int
     process_id: int
-
-    @property
-    def is_primary(self) -> bool:
-        return self.process_id == 0
 
     @classmethod
     def single(cls) -> ProcessGroup:
@@ -54,30 +46,12 @@ class ProcessGroup:
                                    f"others, or unset these to run as one process")
         return cls(environ[COORDINATOR_ENV], _int(environ, NUM_PROCESSES_ENV), _int(environ, PROCESS_ID_ENV))
 
-    @classmethod
-    def from_metaflow(cls, parallel, *, run_id: str = "", port: int | None = None) -> ProcessGroup:
-        """From `current.parallel` (pass it, with `current.run_id`) inside a Metaflow `@parallel`
-        step: the control node (index 0) coordinates at `main_ip`; the port is `port`, else
-        `BDLM_COORDINATOR_PORT`, else one every node derives from the run and the control task's
-        id. (bd_train does not import Metaflow; the flow hands over its `current`.)"""
-        if parallel.num_nodes == 1:
-            return cls.single()
-        if port is None:
-            port = (_int(os.environ, PORT_ENV) if os.environ.get(PORT_ENV)
-                    else _derived_port(f"{run_id}/{parallel.control_task_id}"))
-        return cls(f"{parallel.main_ip}:{port}", parallel.num_nodes, parallel.node_index)
-
 
 def _int(environ, name: str) -> int:
     try:
         return int(environ[name])
     except ValueError:
         raise DistributedError(f"{name}: expected an integer, got {environ[name]!r}") from None
-
-
-def _derived_port(task: str) -> int:
-    digest = hashlib.sha256(task.encode()).digest()
-    return _PORT_BASE + int.from_bytes(digest[:4], "big") % _PORT_SPAN
 
 
 def free_port() -> int:

@@ -8,15 +8,16 @@ tokens and sequences so microbatch accumulation stays exact. Legend: B rows, T p
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from bd_core import DiffusionTokenBatch, LossOutput, RolloutOutput, WeightedMetric
+from bd_core import DiffusionTokenBatch, LossOutput, RolloutOutput, WeightedMetric, config_error
+from bd_models import SamplingDistribution, token_logprobs
 
 ArrayLike = Array | np.ndarray
 Advantage = Literal["grpo", "drgrpo", "rloo"]
@@ -41,27 +42,26 @@ class GRPOConfig:
     advantage_eps: float = 1e-4
 
     def __post_init__(self):
-        def fail(field, problem, fix):
-            raise ValueError(f"GRPOConfig.{field}: {problem}; {fix}")
+        def fail(field, expected, fix):
+            raise config_error("GRPOConfig", field, getattr(self, field), expected, fix)
 
         if self.advantage not in ("grpo", "drgrpo", "rloo"):
-            fail("advantage", f"unknown value {self.advantage!r}", "use 'grpo', 'drgrpo' or 'rloo'")
+            fail("advantage", "one of 'grpo', 'drgrpo', 'rloo'", None)
         if self.ratio not in ("token", "gspo-token"):
-            fail("ratio", f"unknown value {self.ratio!r}", "use 'token' or 'gspo-token'")
+            fail("ratio", "'token' or 'gspo-token'", None)
         if self.aggregation not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-            fail("aggregation", f"unknown value {self.aggregation!r}",
-                 "use 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'")
+            fail("aggregation", "'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'", None)
         if not 0 <= self.epsilon_low < 1:
-            fail("epsilon_low", f"must be in [0, 1), got {self.epsilon_low}", "use e.g. 0.2")
+            fail("epsilon_low", "a value in [0, 1)", "use e.g. 0.2")
         if not self.epsilon_high >= 0:
-            fail("epsilon_high", f"must be >= 0, got {self.epsilon_high}", "use e.g. 0.2 or 0.28 (clip-higher)")
+            fail("epsilon_high", "a value >= 0", "use e.g. 0.2 or 0.28 (clip-higher)")
         if not self.beta >= 0:
-            fail("beta", f"must be >= 0, got {self.beta}", "use 0 to drop the KL term")
+            fail("beta", "a value >= 0", "use 0 to drop the KL term")
         if self.aggregation == "seq-mean-token-sum-norm" and (self.norm_length is None or self.norm_length < 1):
-            fail("norm_length", f"aggregation='seq-mean-token-sum-norm' needs a positive constant, got "
-                 f"{self.norm_length}", "set it to the maximum number of completion tokens")
+            fail("norm_length", "a positive constant with aggregation='seq-mean-token-sum-norm'",
+                 "set it to the maximum number of completion tokens")
         if not self.advantage_eps > 0:
-            fail("advantage_eps", f"must be > 0, got {self.advantage_eps}", "use e.g. 1e-4")
+            fail("advantage_eps", "a value > 0", "use e.g. 1e-4")
 
 
 def compute_advantages(rewards: Float[ArrayLike, " B"], group_size: int, kind: Advantage = "grpo", *,
@@ -132,7 +132,8 @@ def grpo_objective(new_logp: Float[Array, "B T"], old_logp: Float[ArrayLike, "B 
         loss = WeightedMetric(jnp.sum(m * per_token), count)
     else:
         row_sum = jnp.sum(m * per_token, axis=1)
-        row = row_sum / safe_len if config.aggregation == "seq-mean-token-mean" else row_sum / config.norm_length
+        norm = safe_len if config.aggregation == "seq-mean-token-mean" else cast(int, config.norm_length)  # validated
+        row = row_sum / norm
         loss = WeightedMetric(jnp.sum(jnp.where(has_tokens, row, 0.0)), jnp.sum(has_tokens.astype(jnp.float32)))
 
     clipped = ((ratio < low) & (adv < 0)) | ((ratio > high) & (adv > 0))
@@ -189,9 +190,7 @@ def make_grpo_loss(config: GRPOConfig, score: ScoreFn) -> Callable[[Any, GRPOBat
     return loss_fn
 
 
-def distribution_score(distribution: Mapping[str, Any]) -> ScoreFn:
-    """A `score` for `make_grpo_loss` from the sampler's distribution settings (temperature, top_k,
-    top_p, banned_ids), scoring with gradients and entropies."""
-    from ._scoring import token_logprobs
-
-    return lambda model, batch: token_logprobs(model, batch, stop_gradient=False, with_entropy=True, **distribution)
+def distribution_score(distribution: SamplingDistribution) -> ScoreFn:
+    """A `score` for `make_grpo_loss`: the replayed tokens' log-probs (with gradients) and
+    entropies under the distribution the rollout sampled (`SamplerConfig.distribution`)."""
+    return lambda model, batch: token_logprobs(model, batch, distribution, stop_gradient=False, with_entropy=True)

@@ -10,15 +10,16 @@ import dataclasses
 import signal
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from bd_core import Fingerprint
 
-from ._checkpoint import Checkpointer
-from ._trainer import Trainer, TrainState
+if TYPE_CHECKING:
+    from ._checkpoint import Checkpointer
+    from ._trainer import Trainer, TrainState
 
 
 class _StopFlag:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from bd_core import CLEAN_VIEW, DistillationBatch, LossOutput, WeightedMetric
+from bd_core import CLEAN_VIEW, DistillationBatch, LossOutput, WeightedMetric, config_error
 
 from ._sft import token_cross_entropy
 
@@ -34,16 +34,17 @@ class OPDConfig:
 
     def __post_init__(self):
         if not self.temperature > 0:
-            raise ValueError(f"OPDConfig.temperature: must be > 0, got {self.temperature}; use 1.0 for none")
+            raise config_error("OPDConfig", "temperature", self.temperature, "a value > 0", "use 1.0 for none")
         if not self.hard_ce_weight >= 0:
-            raise ValueError(f"OPDConfig.hard_ce_weight: must be >= 0, got {self.hard_ce_weight}; use 0 to disable")
+            raise config_error("OPDConfig", "hard_ce_weight", self.hard_ce_weight, "a value >= 0", "use 0 to disable")
         if self.positions not in ("committed", "masked"):
-            raise ValueError(f"OPDConfig.positions: unknown value {self.positions!r}; use 'committed' or 'masked'")
+            raise config_error("OPDConfig", "positions", self.positions, "'committed' or 'masked'")
         if self.positions == "masked" and self.mask_id is None:
-            raise ValueError("OPDConfig.mask_id: positions='masked' needs the tokenizer's mask_id")
+            raise config_error("OPDConfig", "mask_id", None, "the tokenizer's mask_id with positions='masked'")
         if self.positions == "masked" and self.hard_ce_weight > 0:
-            raise ValueError("OPDConfig.hard_ce_weight: hard CE needs targets at every distilled position, and a "
-                             "replay batch has them only where tokens were committed; use positions='committed'")
+            raise config_error("OPDConfig", "hard_ce_weight", self.hard_ce_weight, "0 with positions='masked'",
+                               "hard CE needs targets at every distilled position, and a replay batch has them only "
+                               "where tokens were committed; use positions='committed'")
 
 
 def opd_loss(student_logits: Float[Array, "B T V"], teacher_logits: Float[Array, "B T V"],

@@ -7,10 +7,12 @@ transformation, optionally with injected hyperparameters so the learning rate li
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import jax.numpy as jnp
 import optax
+
+from bd_core import config_error
 
 Schedule = Literal["constant", "cosine", "linear"]
 
@@ -37,44 +39,45 @@ class OptimizerConfig:
     inject_hyperparams: bool = False
 
     def __post_init__(self):
-        def fail(field: str, problem: str, fix: str):
-            raise ValueError(f"OptimizerConfig.{field}: {problem}; {fix}")
+        def fail(field: str, expected: str, fix: str) -> NoReturn:
+            raise config_error("OptimizerConfig", field, getattr(self, field), expected, fix)
 
         if not self.learning_rate > 0:
-            fail("learning_rate", f"must be > 0, got {self.learning_rate}", "use a positive value such as 3e-4")
+            fail("learning_rate", "a value > 0", "use a positive value such as 3e-4")
         if self.schedule not in ("constant", "cosine", "linear"):
-            fail("schedule", f"unknown schedule {self.schedule!r}", "use 'constant', 'cosine' or 'linear'")
+            fail("schedule", "'constant', 'cosine' or 'linear'", "use one of those")
         if self.warmup_steps < 0:
-            fail("warmup_steps", f"must be >= 0, got {self.warmup_steps}", "use 0 for no warmup")
+            fail("warmup_steps", "a value >= 0", "use 0 for no warmup")
         if self.schedule != "constant":
             if self.total_steps is None:
-                fail("total_steps", f"is required by schedule={self.schedule!r}",
+                fail("total_steps", f"the number of updates with schedule={self.schedule!r}",
                      "set it to the number of optimizer updates, or use schedule='constant'")
             if self.total_steps <= self.warmup_steps:
-                fail("total_steps", f"({self.total_steps}) must exceed warmup_steps ({self.warmup_steps})",
+                fail("total_steps", f"more than warmup_steps ({self.warmup_steps})",
                      "raise total_steps or lower warmup_steps")
         if not 0 <= self.end_lr_ratio <= 1:
-            fail("end_lr_ratio", f"must be in [0, 1], got {self.end_lr_ratio}", "use e.g. 0.1")
+            fail("end_lr_ratio", "a value in [0, 1]", "use e.g. 0.1")
         for field in ("b1", "b2"):
             if not 0 <= getattr(self, field) < 1:
-                fail(field, f"must be in [0, 1), got {getattr(self, field)}", "use e.g. 0.9 / 0.999")
+                fail(field, "a value in [0, 1)", "use e.g. 0.9 / 0.999")
         if not self.eps > 0:
-            fail("eps", f"must be > 0, got {self.eps}", "use e.g. 1e-8")
+            fail("eps", "a value > 0", "use e.g. 1e-8")
         if self.weight_decay < 0:
-            fail("weight_decay", f"must be >= 0, got {self.weight_decay}", "use 0 to disable it")
+            fail("weight_decay", "a value >= 0", "use 0 to disable it")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            fail("max_grad_norm", f"must be > 0 or None, got {self.max_grad_norm}", "use None to disable clipping")
+            fail("max_grad_norm", "a value > 0 or None", "use None to disable clipping")
         if self.mu_dtype is not None:
             try:
                 jnp.dtype(self.mu_dtype)
             except TypeError:
-                fail("mu_dtype", f"unknown dtype {self.mu_dtype!r}", "use e.g. 'bfloat16', 'float32' or None")
+                fail("mu_dtype", "a dtype name", "use e.g. 'bfloat16', 'float32' or None")
 
     def learning_rate_schedule(self) -> optax.Schedule:
         peak = self.learning_rate
         if self.schedule == "constant":
             after: Any = optax.constant_schedule(peak)
         else:
+            assert self.total_steps is not None  # validated: a decaying schedule has total_steps
             decay_steps = self.total_steps - self.warmup_steps
             end = peak * self.end_lr_ratio
             if self.schedule == "cosine":
@@ -89,7 +92,7 @@ class OptimizerConfig:
 
 def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
     """`clip_by_global_norm` (if set) then AdamW on the configured schedule."""
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         learning_rate=config.learning_rate_schedule(),
         b1=config.b1,
         b2=config.b2,

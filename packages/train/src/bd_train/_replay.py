@@ -3,20 +3,20 @@
 Layout `[clean stream: prompt + completion (view 0) | one view per valid step]`; view v holds its
 block's canvas as it stood before that step (committed-so-far tokens, mask elsewhere), and its
 targets are the tokens committed in that step. Valid steps are compacted and padded to a bucket.
-Legend: B batch, S trace steps, W replay views, b block size, L canvas, T = L + W*b.
+Shape letters: see bd_core (B batch, R trace steps, W replay views, b block size, C canvas, T = C + W*b).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from bd_core import CLEAN_VIEW, DiffusionTokenBatch, RolloutOutput, ViewLayout
-from bd_core._validate import is_concrete
+from bd_core import CLEAN_VIEW, DiffusionTokenBatch, DiffusionTrace, RolloutOutput, ViewLayout, is_concrete
 from bd_models import to_host
 
 
@@ -34,6 +34,12 @@ class ReplayBatch:
     def mask(self) -> Array:
         """Where a replayed token is scored: the committed positions of valid steps."""
         return self.batch.weights > 0
+
+
+def replay_capacity(sampler: Any) -> int:
+    """Replay views that hold every step a rollout of `sampler` (a `SamplerConfig`) can take: one
+    fixed shape, so a training step compiles once."""
+    return sampler.num_blocks * sampler.steps_cap
 
 
 def replay_views(rollout: RolloutOutput, *, multiple: int = 8) -> int:
@@ -60,37 +66,36 @@ def build_replay(rollout: RolloutOutput, *, mask_id: int, num_views: int | None 
         if needed > num_views:
             raise ValueError(f"build_replay: num_views={num_views} cannot hold a row with {needed} valid steps; "
                              f"use replay_views(rollout) or at least {needed}")
-    return _build(rollout, mask_id, num_views)
+    return _build(rollout, trace, mask_id, num_views)
 
 
-def _build(rollout: RolloutOutput, mask_id: int, num_views: int) -> ReplayBatch:
-    trace = rollout.trace
+def _build(rollout: RolloutOutput, trace: DiffusionTrace, mask_id: int, num_views: int) -> ReplayBatch:
     batch, steps, b = trace.committed.shape
-    committed_BxSxb = trace.committed
-    step_valid_BxS = trace.step_valid
+    committed_BxRxb = trace.committed
+    step_valid_BxR = trace.step_valid
     # canvas before step s: what earlier valid steps of the same block committed
-    earlier_BxSxS = ((trace.block_ids[:, :, None] == trace.block_ids[:, None, :])
+    earlier_BxRxR = ((trace.block_ids[:, :, None] == trace.block_ids[:, None, :])
                      & (jnp.arange(steps)[None, :, None] > jnp.arange(steps)[None, None, :])
-                     & step_valid_BxS[:, None, :])
-    earlier = earlier_BxSxS.astype(jnp.int32)
-    seen_BxSxb = jnp.einsum("bst,bti->bsi", earlier, committed_BxSxb.astype(jnp.int32)) > 0
-    seen_tokens = jnp.einsum("bst,bti->bsi", earlier, jnp.where(committed_BxSxb, trace.tokens, 0).astype(jnp.int32))
-    before_BxSxb = jnp.where(seen_BxSxb, seen_tokens, mask_id)
+                     & step_valid_BxR[:, None, :])
+    earlier = earlier_BxRxR.astype(jnp.int32)
+    seen_BxRxb = jnp.einsum("bst,bti->bsi", earlier, committed_BxRxb.astype(jnp.int32)) > 0
+    seen_tokens = jnp.einsum("bst,bti->bsi", earlier, jnp.where(committed_BxRxb, trace.tokens, 0).astype(jnp.int32))
+    before_BxRxb = jnp.where(seen_BxRxb, seen_tokens, mask_id)
 
     # valid steps first, in trace order; the first num_views of them become the views
-    order_BxS = jnp.argsort(~step_valid_BxS, axis=1, stable=True)
+    order_BxR = jnp.argsort(~step_valid_BxR, axis=1, stable=True)
     if num_views > steps:
-        order_BxS = jnp.pad(order_BxS, ((0, 0), (0, num_views - steps)), constant_values=0)
-    index_BxW = order_BxS[:, :num_views]
-    view_valid_BxW = jnp.take_along_axis(step_valid_BxS, index_BxW, axis=1)
+        order_BxR = jnp.pad(order_BxR, ((0, 0), (0, num_views - steps)), constant_values=0)
+    index_BxW = order_BxR[:, :num_views]
+    view_valid_BxW = jnp.take_along_axis(step_valid_BxR, index_BxW, axis=1)
     if num_views > steps:
         view_valid_BxW = view_valid_BxW & (jnp.arange(num_views) < steps)[None, :]
     take = lambda a: jnp.take_along_axis(a, index_BxW[:, :, None], axis=1)  # noqa: E731
-    committed = take(committed_BxSxb) & view_valid_BxW[:, :, None]
+    committed = take(committed_BxRxb) & view_valid_BxW[:, :, None]
     shape = (batch, num_views * b)
     block_BxW = jnp.take_along_axis(trace.block_ids, index_BxW, axis=1)
     views = ViewLayout(
-        tokens=take(before_BxSxb).reshape(shape),
+        tokens=take(before_BxRxb).reshape(shape),
         positions=(block_BxW[:, :, None] * b + jnp.arange(b)).reshape(shape).astype(jnp.int32),
         block_ids=jnp.broadcast_to(block_BxW[:, :, None], (batch, num_views, b)).reshape(shape),
         view_ids=jnp.broadcast_to(1 + jnp.arange(num_views, dtype=jnp.int32)[None, :, None],

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from bd_core import WeightedMetric, as_loss_output, reduce_metrics
+from bd_core import as_loss_output, config_error, reduce_metrics
 
-from ._accumulate import LossFn, accumulate, interleave_microbatches, microbatch_key, normalize, zeros_like_grads
+from ._accumulate import Accumulated, LossFn, accumulate, interleave_microbatches, microbatch_key, normalize
 
 
 class NonFiniteError(RuntimeError):
@@ -37,26 +37,16 @@ class TrainerConfig:
 
     def __post_init__(self):
         if self.microbatches < 1:
-            raise ValueError(f"TrainerConfig.microbatches: must be >= 1, got {self.microbatches}; use 1 for no "
-                             "accumulation")
+            raise config_error("TrainerConfig", "microbatches", self.microbatches, ">= 1", "use 1 for no accumulation")
         if self.max_consecutive_nonfinite < 1:
-            raise ValueError(f"TrainerConfig.max_consecutive_nonfinite: must be >= 1, got "
-                             f"{self.max_consecutive_nonfinite}")
-
-
-class StreamAccumulator(eqx.Module):
-    """Sums carried across streaming calls until the update step: float32 Σ∇numerator, Σnumerator,
-    Σdenominator and the number of microbatches seen."""
-
-    grads: Any
-    numerator: jax.Array
-    denominator: jax.Array
-    count: jax.Array
+            raise config_error("TrainerConfig", "max_consecutive_nonfinite", self.max_consecutive_nonfinite, ">= 1")
 
 
 class TrainState(eqx.Module):
     """`step` counts update steps taken (applied or skipped); `key` is fixed and folded with the
-    step and microbatch index, so a restored run draws the same keys as an uninterrupted one."""
+    step and microbatch index, so a restored run draws the same keys as an uninterrupted one.
+    The optimizer is a static field: a state knows how it is updated, and making one (or its
+    restore target, `eqx.filter_eval_shape(TrainState.init, ...)`) needs no trainer."""
 
     step: jax.Array
     model: Any
@@ -64,16 +54,23 @@ class TrainState(eqx.Module):
     key: jax.Array
     nonfinite_total: jax.Array
     nonfinite_streak: jax.Array
-    accumulator: StreamAccumulator | None = None
+    accumulator: Accumulated | None
+    optimizer: optax.GradientTransformation = eqx.field(static=True)
+
+    @classmethod
+    def init(cls, model: Any, optimizer: optax.GradientTransformation, *, key: jax.Array,
+             streaming: bool = False) -> TrainState:
+        """A fresh state; `streaming=True` carries an `Accumulated` across calls with
+        `is_update_step=False`."""
+        params = eqx.filter(model, eqx.is_inexact_array)
+        zero = jnp.zeros((), jnp.int32)
+        return cls(step=zero, model=model, opt_state=optimizer.init(params), key=key, nonfinite_total=zero,
+                   nonfinite_streak=zero, accumulator=Accumulated.zeros(params) if streaming else None,
+                   optimizer=optimizer)
 
     @property
     def params(self) -> Any:
         return eqx.filter(self.model, eqx.is_inexact_array)
-
-
-def _empty_accumulator(params: Any) -> StreamAccumulator:
-    zero = jnp.zeros((), jnp.float32)
-    return StreamAccumulator(zeros_like_grads(params), zero, zero, jnp.zeros((), jnp.int32))
 
 
 def _cast_like(tree: Any, dtypes: Any) -> Any:
@@ -93,7 +90,8 @@ class Trainer:
     `step(state, batch)` splits the batch into `config.microbatches` interleaved parts inside the
     program; `step_microbatches(state, stacked)` takes a pre-stacked `[k, rows, ...]` batch (see
     `split_microbatches` for unequal sizes). Both return `(state, metrics)`, metrics reduced with
-    `reduce_metrics`; on an update step `loss` covers every microbatch of the update.
+    `reduce_metrics`; on an update step `loss` covers every microbatch of the update. Updates
+    apply the state's own optimizer; the trainer's is the one `init` puts in new states.
     """
 
     def __init__(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, config: TrainerConfig | None = None):
@@ -104,17 +102,8 @@ class Trainer:
         self._eval = eqx.filter_jit(self._eval_impl)
 
     def init(self, model: Any, *, key: jax.Array) -> TrainState:
-        params = eqx.filter(model, eqx.is_inexact_array)
-        zero = jnp.zeros((), jnp.int32)
-        return TrainState(
-            step=zero,
-            model=model,
-            opt_state=self.optimizer.init(params),
-            key=key,
-            nonfinite_total=zero,
-            nonfinite_streak=zero,
-            accumulator=_empty_accumulator(params) if self.config.streaming else None,
-        )
+        """`TrainState.init` with this trainer's optimizer and streaming setting."""
+        return TrainState.init(model, self.optimizer, key=key, streaming=self.config.streaming)
 
     # -- train -------------------------------------------------------------------------------------
 
@@ -151,23 +140,20 @@ class Trainer:
     def _train_impl(self, state: TrainState, batch: Any, is_update_step: bool, presplit: bool):
         params, static = eqx.partition(state.model, eqx.is_inexact_array)
         acc = state.accumulator
-        start = acc.count if acc is not None else 0
         micro = self._stack(batch, presplit)
-        out = accumulate(self.loss_fn, params, static, micro, key=state.key, update_step=state.step,
-                         start_index=start)
-        if "loss" in out.aux:
+        out, aux = accumulate(self.loss_fn, params, static, micro, key=state.key, update_step=state.step,
+                              start_index=0 if acc is None else acc.count)
+        if "loss" in aux:
             raise ValueError("loss_fn: aux metrics may not use the key 'loss' (it names the objective itself)")
-        metrics = reduce_metrics({"loss": out.loss, **out.aux})
-        grads, num, den = out.grads, out.loss.numerator, out.loss.denominator
-        if acc is not None:
-            grads = jax.tree_util.tree_map(jnp.add, acc.grads, grads)
-            num, den = acc.numerator + num, acc.denominator + den
-        count = start + jax.tree_util.tree_leaves(micro)[0].shape[0]
+        metrics = reduce_metrics({"loss": out.loss, **aux})
+        if acc is not None:  # the update's loss settings are those of its microbatches (not yet checked across calls)
+            out = dataclasses.replace(acc, loss=dataclasses.replace(acc.loss, eps=out.loss.eps,
+                                                                    min_denom=out.loss.min_denom)) + out
         if not is_update_step:
-            return dataclasses.replace(state, accumulator=StreamAccumulator(grads, num, den, count)), metrics
+            return dataclasses.replace(state, accumulator=out), metrics
 
-        total = WeightedMetric(num, den, out.loss.eps, out.loss.min_denom)
-        grads = normalize(grads, total)
+        total = out.loss
+        grads = normalize(out.grads, total)
         loss = total.compute()
         finite = jnp.isfinite(loss) & _all_finite(grads)
         grad_norm = optax.tree.norm(grads)
@@ -179,7 +165,7 @@ class Trainer:
 
         def apply(operands):
             p, opt_state, g = operands
-            updates, new_opt_state = self.optimizer.update(g, opt_state, p)
+            updates, new_opt_state = state.optimizer.update(g, opt_state, p)
             new_p = jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype), optax.apply_updates(p, updates), p)
             return new_p, _cast_like(new_opt_state, opt_dtypes)
 
@@ -196,7 +182,7 @@ class Trainer:
             opt_state=new_opt_state,
             nonfinite_total=state.nonfinite_total + nonfinite,
             nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + 1),
-            accumulator=None if acc is None else _empty_accumulator(params),
+            accumulator=None if acc is None else Accumulated.zeros(params),
         )
         metrics.update(
             loss=loss,

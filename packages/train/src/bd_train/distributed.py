@@ -1,10 +1,9 @@
-"""Multi-process training: join a JAX process group from the environment or from a Metaflow
-`@parallel` step, before any computation; meshes then span every process's devices.
+"""Multi-process training: join a JAX process group (from the environment, or a `ProcessGroup`
+an orchestrator builds) before any computation; meshes then span every process's devices.
 """
 
 from ._distributed import COORDINATOR_ENV as COORDINATOR_ENV
 from ._distributed import NUM_PROCESSES_ENV as NUM_PROCESSES_ENV
-from ._distributed import PORT_ENV as PORT_ENV
 from ._distributed import PROCESS_ID_ENV as PROCESS_ID_ENV
 from ._distributed import DistributedError as DistributedError
 from ._distributed import ProcessGroup as ProcessGroup

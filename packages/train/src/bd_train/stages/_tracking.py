@@ -44,7 +44,7 @@ class Tracker:
             path.mkdir(parents=True, exist_ok=True)
             os.environ[var] = str(path)
         os.environ.setdefault("WANDB_SILENT", "true")
-        self.mode = mode or wandb_mode()
+        self.mode: Any = mode or wandb_mode()  # online / offline / disabled, checked by wandb
         self._wandb = wandb
         self.run = wandb.init(
             project=project, group=group, job_type=stage, name=name or f"{group}-{stage}",
@@ -58,7 +58,8 @@ class Tracker:
     def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
         self.run.log({key: _scalar(value) for key, value in metrics.items()}, step=int(step))
 
-    def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, step: int | None = None) -> None:
+    def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *,
+                  step: int | None = None) -> None:
         table = self._wandb.Table(columns=list(columns), data=[list(map(_scalar, row)) for row in rows])
         self.run.log({name: table}, step=step)
 

@@ -2,22 +2,18 @@
 
 Every config in bdlm is a frozen dataclass that validates itself on construction; this module
 turns user text into them and turns every mistake (unknown key, wrong type, failed invariant)
-into one `ConfigError` naming the file, the dotted key and what would fix it.
+into one `bd_core.ConfigError` naming the dotted key and what would fix it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import types
 import typing
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A user config that cannot be used; the message names the key and the fix."""
+from bd_core import ConfigError
 
 
 def _origin(tp: Any) -> Any:
@@ -45,7 +41,7 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
         if value in typing.get_args(tp):
             return value
         raise ConfigError(f"{where}: expected one of {list(typing.get_args(tp))}, got {value!r}")
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a table of settings, got {value!r}")
         return build(tp, value, where)
@@ -93,21 +89,6 @@ def build(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
         raise ConfigError(f"{prefix}{err}") from None
     except (ValueError, TypeError) as err:
         raise ConfigError(f"[{where or 'top level'}] {err}") from err
-
-
-def load_toml(cls: type, path: str | Path) -> Any:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a TOML preset "
-                          f"(see flows/configs/)")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: not valid TOML: {err}") from err
-    try:
-        return build(cls, data)
-    except ConfigError as err:
-        raise ConfigError(f"{path}: {err}") from err
 
 
 def to_dict(config: Any) -> Any:

@@ -6,26 +6,28 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._stage_setup import PipelineContext, StageResult
+if TYPE_CHECKING:
+    from ._driver import StageResult
+    from ._run import RunDir
 
 SUMMARY_ROWS = ("teacher_sft", "student_sft", "student_opd", "student_grpo")
+SUMMARY_KEYS = ("accuracy", "mean_reward", "n", "nfe_per_token")
 
 
-def summarize(results: Mapping[str, StageResult], context: PipelineContext) -> dict[str, dict[str, Any]]:
+def summarize(results: Mapping[str, StageResult], where: RunDir) -> dict[str, dict[str, Any]]:
     """`{row: {accuracy, mean_reward, n, nfe_per_token}}` for the four models, printed as a table
     and written to `<output_dir>/latest/summary.json` and the run folder."""
     summary = {}
     for row in SUMMARY_ROWS:
         evaluation = results[row].evaluation
-        summary[row] = {key: evaluation[key] for key in ("accuracy", "mean_reward", "n", "nfe_per_token")
-                        if key in evaluation}
+        metrics = {} if evaluation is None else evaluation.metrics()
+        summary[row] = {key: metrics[key] for key in SUMMARY_KEYS if key in metrics}
     print(format_summary(summary))
     text = json.dumps(summary, indent=2)
-    run_dir = Path(context.run_dir)
-    (run_dir / "summary.json").write_text(text)
-    latest = run_dir.parent.parent / "latest"
+    (Path(where.run_dir) / "summary.json").write_text(text)
+    latest = where.outputs / "latest"
     latest.mkdir(parents=True, exist_ok=True)
     (latest / "summary.json").write_text(text)
     return summary

@@ -11,22 +11,23 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
+from bd_core import ConfigError, config_error
 from bd_data import CanvasConfig, CorruptionConfig
 
-from ._config_io import ConfigError, build, to_dict
+from ._config_io import build, to_dict
 
 
 # Section invariants name the field relative to the section; `build` prefixes the section's path.
 def _positive(**values: float | int) -> None:
     for name, value in values.items():
         if not value > 0:
-            raise ConfigError(f"{name}: expected a value > 0, got {value!r}")
+            raise config_error("", name, value, "a value > 0")
 
 
 def _nonneg(**values: float | int) -> None:
     for name, value in values.items():
         if value < 0:
-            raise ConfigError(f"{name}: expected a value >= 0, got {value!r}")
+            raise config_error("", name, value, "a value >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,10 +109,6 @@ class MeshSection:
     @property
     def devices(self) -> int:
         return self.data * self.fsdp * self.model
-
-    @property
-    def devices_per_node(self) -> int:
-        return self.devices // self.num_nodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +197,8 @@ class GRPOSection:
         _positive(steps=self.steps, prompts_per_step=self.prompts_per_step,
                   updates_per_rollout=self.updates_per_rollout)
         if self.group_size < 2:
-            raise ConfigError(f"group_size: expected >= 2 (advantages compare samples of one prompt), "
-                              f"got {self.group_size}")
+            raise config_error("", "group_size", self.group_size, ">= 2",
+                               "advantages compare the samples of one prompt")
         _nonneg(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, beta=self.beta)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -83,3 +84,13 @@ def trace_png(*, committed: np.ndarray, tokens: np.ndarray, step_valid: np.ndarr
     ax.set_xticklabels([str(i) for i in range(width)], fontsize=6)
     ax.set_title(title, fontsize=9)
     return _png(plt, fig)
+
+
+def trace_text(tokenizer: Any) -> Callable[[int], str]:
+    """How a token is shown in the trace picture: ⏎ for end of text, · for what does not print."""
+    def text(token: int) -> str:
+        if token == tokenizer.eos_id:
+            return "⏎"
+        decoded = tokenizer.decode([token], stop_at_eos=False)
+        return decoded if decoded.isprintable() and decoded.strip() else "·"
+    return text

@@ -1,0 +1,38 @@
+"""The pipeline wing of bd_train: one short recipe per stage over one typed driver.
+
+`run_sft` (teacher or student), `run_opd` and `run_grpo` each read top to bottom: build the loss,
+the step function and a `StageSpec`, then make one call to `drive`, which owns the loop,
+checkpoints, tracking, progress, evaluation and the `StageResult`. `Run` is the run's context
+(validated config, folders, named random streams, what the config builds); `roll_out` is the one
+rollout helper (sample → gather → decode → reward → NFE) of OPD, GRPO and `evaluate`.
+
+The stages need no orchestrator; `flows/bd_pipeline.py` is a thin Metaflow graph over them. With a
+`[mesh]` they run sharded over it, across processes too once `bd_train.distributed.initialize`
+has joined a group (every process calls the same stage with the same config).
+"""
+
+from bd_core import ConfigError as ConfigError
+
+from ._config import PipelineConfig as PipelineConfig
+from ._config import parse_pipeline_config as parse_pipeline_config
+from ._config import pipeline_config as pipeline_config
+from ._driver import SimulatedFailure as SimulatedFailure
+from ._driver import StageResult as StageResult
+from ._driver import StageSpec as StageSpec
+from ._driver import drive as drive
+from ._evaluate import Evaluation as Evaluation
+from ._evaluate import Sample as Sample
+from ._evaluate import evaluate as evaluate
+from ._rollout import Rollouts as Rollouts
+from ._rollout import roll_out as roll_out
+from ._run import Run as Run
+from ._run import RunDir as RunDir
+from ._run import StageError as StageError
+from ._run import check_distillation_pair as check_distillation_pair
+from ._summary import format_summary as format_summary
+from ._summary import print_summary as print_summary
+from ._summary import summarize as summarize
+from ._tracking import Tracker as Tracker
+from .grpo import run_grpo as run_grpo
+from .opd import run_opd as run_opd
+from .sft import run_sft as run_sft

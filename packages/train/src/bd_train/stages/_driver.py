@@ -1,0 +1,181 @@
+"""The one driver every stage recipe calls: `drive(run, spec, state, step_fn, data)` resumes the
+stage from its latest checkpoint, runs `step_fn` to `spec.total` updates with periodic saves,
+SIGTERM handling, W&B tracking and a progress bar, evaluates on the held-out split, and returns
+the stage's small `StageResult`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from bd_core import Fingerprint, FingerprintMismatch
+
+from .._checkpoint import CheckpointError
+from .._loop import run_updates
+from ._evaluate import Evaluation, evaluate
+from ._plots import curves_png
+from ._run import Run, StageError, open_checkpoints
+from ._tracking import Tracker
+
+if TYPE_CHECKING:
+    from .._trainer import TrainState
+
+StepFn = Callable[["TrainState", int], "tuple[TrainState, dict]"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StageSpec:
+    """What a recipe hands the driver. `name` names the checkpoint folder, the W&B job type and
+    the progress bar; every checkpoint pins `fingerprints`; `updates_per_step` is how many updates
+    one `step_fn` call takes (GRPO's updates per rollout)."""
+
+    name: str
+    role: str
+    title: str
+    total: int
+    fingerprints: Mapping[str, Fingerprint]
+    learning_rate: Callable[[int], Any]
+    curves: tuple[str, ...]
+    eval_key: jax.Array
+    mesh: jax.sharding.Mesh | None = None
+    updates_per_step: int = 1
+
+
+@dataclasses.dataclass
+class StageResult:
+    """What a stage hands to the next one and to the summary: small values only."""
+
+    stage: str
+    role: str
+    checkpoint_dir: str
+    step: int
+    identity: dict[str, Any]
+    history: list[dict[str, float | int]]
+    evaluation: Evaluation | None
+    curves_png: bytes | None = None
+    wandb_run_dir: str | None = None
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        return Fingerprint.from_json(self.identity)
+
+
+class SimulatedFailure(RuntimeError):
+    """Raised on purpose after a saved step (`fail_after`), so that `resume` can be tested."""
+
+
+def mesh_scope(mesh: jax.sharding.Mesh | None):
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: Any = None, *,
+          fail_after: int | None = None) -> StageResult:
+    """Train `state` with `step_fn(state, step) -> (state, metrics)` to `spec.total` updates,
+    continuing from the stage's latest checkpoint (which must match `spec.fingerprints`), then
+    evaluate. `data` is the data iterator whose position checkpoints keep. `fail_after` (tests)
+    raises `SimulatedFailure` right after the update that reaches that step is saved, in a run
+    that started before it."""
+    cfg = run.config
+    directory = run.where.checkpoint_dir(spec.name)
+    checkpoints = open_checkpoints(directory, create=True, max_to_keep=cfg.run.max_to_keep)
+    if checkpoints.latest_step() is not None:
+        try:
+            state = checkpoints.restore(state, fingerprints=spec.fingerprints, data_iterator=data)
+        except (FingerprintMismatch, CheckpointError) as err:
+            raise StageError(f"{spec.name}: cannot continue from {directory}: {err}") from None
+    start = int(state.step)
+    history: list[dict[str, float | int]] = []
+
+    def save(state: TrainState, final: bool = True) -> None:
+        if int(state.step) not in checkpoints.all_steps():
+            checkpoints.save(state, fingerprints=spec.fingerprints, config=cfg.to_dict(), data_iterator=data,
+                             force=True)
+            checkpoints.wait()
+
+    with tracker_for(run, spec.name) as tracker:
+        bar = progress(total=(spec.total - start) // spec.updates_per_step, description=spec.name)
+
+        def on_update(state: TrainState, metrics: dict) -> None:
+            step = int(state.step)
+            row = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
+            row["learning_rate"] = float(spec.learning_rate(step - 1))
+            previous = history[-1] if history else {}
+            if "tokens" in row:
+                row["tokens_total"] = row["tokens"] + previous.get("tokens_total", 0.0)
+            skipped = spec.updates_per_step * (1.0 - row.get("update_applied", 1.0))
+            row["skipped_total"] = skipped + previous.get("skipped_total", 0.0)
+            history.append(row)
+            if step % cfg.run.log_every == 0 or step >= spec.total:
+                tracker.log(row, step=step)
+            bar.set_postfix({k: f"{row[k]:.3g}" for k in ("loss", "reward_mean") if k in row}, refresh=False)
+            bar.update(1)
+            if fail_after is not None and start < fail_after <= step:
+                save(state)
+                raise SimulatedFailure(f"{spec.name}: simulated failure after step {step} (fail_after={fail_after})")
+
+        with mesh_scope(spec.mesh):
+            try:
+                state, preempted = run_updates(state, spec.total, lambda s: step_fn(s, int(s.step)), save=save,
+                                               on_update=on_update, save_every=cfg.run.checkpoint_every)
+            finally:
+                bar.close()
+            if preempted:
+                raise StageError(f"{spec.name}: stopped by SIGTERM at step {int(state.step)}; the checkpoint is "
+                                 f"saved in {directory}; run `resume` to continue")
+            checkpoints.close()
+            evaluation = evaluate(state.model, run, key=spec.eval_key, title=f"{spec.role} after {spec.title}",
+                                  mesh=spec.mesh)
+        log_evaluation(tracker, evaluation, step=spec.total)
+    return StageResult(stage=spec.name, role=spec.role, checkpoint_dir=str(directory), step=int(state.step),
+                       identity=spec.fingerprints["identity"].to_json(), history=history, evaluation=evaluation,
+                       curves_png=curves_png(history, spec.curves, title=f"{spec.title} ({spec.role})"),
+                       wandb_run_dir=str(tracker.run_dir))
+
+
+def tracker_for(run: Run, stage: str) -> Tracker:
+    """The stage's W&B run (group = the pipeline run, job type = the stage); only process 0 writes."""
+    return Tracker(root=run.where.outputs / "wandb", project=run.config.run.project, stage=stage,
+                   group=run.where.run_id, config=run.config.to_dict(),
+                   mode="disabled" if jax.process_index() else None)
+
+
+def log_evaluation(tracker: Tracker, evaluation: Evaluation, *, step: int) -> None:
+    metrics = evaluation.metrics()
+    tracker.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
+    tracker.log_table("eval/samples", ["prompt", "answer", "completion", "reward"],
+                      [list(dataclasses.astuple(s)) for s in evaluation.samples], step=step)
+    tracker.summary(metrics)
+
+
+def progress(*, total: int, description: str):
+    """A tqdm bar on a terminal. Elsewhere (Metaflow step logs, CI) a bar redrawn with carriage
+    returns is one endless line, so tqdm prints a plain line every ~10% instead."""
+    from tqdm.auto import tqdm
+
+    disable = os.environ.get("BDLM_PROGRESS", "1") == "0"
+    if sys.stderr.isatty():
+        return tqdm(total=total, desc=description, mininterval=1.0, dynamic_ncols=True, disable=disable)
+    return tqdm(total=total, desc=description, mininterval=15.0, miniters=max(1, total // 10),
+                ncols=100, ascii=True, disable=disable, file=_LineWriter(sys.stderr))
+
+
+class _LineWriter:
+    """Turns tqdm's carriage-return redraws into one line per update."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()

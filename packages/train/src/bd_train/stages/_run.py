@@ -1,0 +1,265 @@
+"""`Run`: one pipeline run's context. Where its files live, the validated config and what it
+builds (tokenizer, data, rewards, model/sampler/optimizer configs, identities, meshes), the
+named random streams of each stage, and the models a stage starts from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import equinox as eqx
+import jax
+
+from bd_core import Fingerprint, FingerprintMismatch, require_compatible
+from bd_data import ByteTokenizer, Example, HFTokenizer, get_task, iterate, load_jsonl, prompt_dataset, sft_dataset
+from bd_models import (
+    BlockDiffusionLM,
+    MeshError,
+    ModelConfig,
+    SamplerConfig,
+    SamplingDistribution,
+    check_divisibility,
+    init_sharded,
+    make_mesh,
+    param_partition_specs,
+)
+
+from .._checkpoint import Checkpointer, CheckpointError
+from .._fingerprints import model_identity, rollout_semantics
+from .._optim import OptimizerConfig
+from .._trainer import TrainState
+from ._config import OptimSection, PipelineConfig, SamplerSection, pipeline_config
+
+if TYPE_CHECKING:
+    from ._driver import StageResult
+
+ROLES = ("teacher", "student")
+# Each stage's random stream: its key is `fold_in(key(seed), index)` and its data seed
+# `seed + index`. (The indices are the values earlier versions hard-coded, so runs reproduce.)
+STREAMS = {"sft-teacher": 0, "sft-student": 1, "opd": 2, "grpo": 3}
+# Fields that must agree between a teacher and the student it distills into: everything about
+# tokens and blocks, nothing about the architecture.
+SHARED_IDENTITY_KEYS = ("tokenizer", "vocab_size", "mask_id", "pad_id", "eos_id", "block_size", "canvas_policy",
+                        "prompt_len", "max_new_tokens", "alignment")
+# How the model is computed, not what it computes (the implementations agree to float tolerance):
+# a stage may change these without invalidating the checkpoint it starts from.
+EXECUTION_FIELDS = ("attention", "q_tile", "k_tile", "remat")
+
+
+class StageError(RuntimeError):
+    """A stage refused to start or continue (mismatched checkpoint, missing file); nothing was lost."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """Where one pipeline run keeps its files; stable across `resume` (keyed by the origin run).
+    Small and picklable: the flow keeps it as an artifact."""
+
+    run_id: str
+    run_dir: str
+
+    @classmethod
+    def create(cls, config: Any, *, run_id: str) -> RunDir:
+        run_dir = Path(pipeline_config(config).run.output_dir).resolve() / "pipeline" / str(run_id)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return cls(str(run_id), str(run_dir))
+
+    def checkpoint_dir(self, stage: str) -> Path:
+        return Path(self.run_dir) / "checkpoints" / stage
+
+    @property
+    def outputs(self) -> Path:
+        """The output folder shared by runs: W&B logs, the compilation cache, `latest/`."""
+        return Path(self.run_dir).parent.parent
+
+
+class Run:
+    """A pipeline run as one stage sees it: config, folders, and everything built from the config.
+    Without `where` it builds the configs and models only (nothing is written)."""
+
+    def __init__(self, config: Any, where: RunDir | None = None):
+        self.config: PipelineConfig = pipeline_config(config)
+        self._where = where
+
+    @property
+    def where(self) -> RunDir:
+        if self._where is None:
+            raise StageError("this Run was made without a RunDir: pass one to write checkpoints and logs")
+        return self._where
+
+    def enable_compilation_cache(self) -> None:
+        """A persistent JAX cache: Metaflow steps are separate processes compiling the same programs."""
+        cache = self.where.outputs / "jax_cache"
+        cache.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+    # -- random streams ------------------------------------------------------------------------------
+
+    def keys(self, stage: str, *names: str) -> dict[str, jax.Array]:
+        """The stage's key split into one key per name (in the order given)."""
+        key = jax.random.fold_in(jax.random.key(self.config.run.seed), STREAMS[stage])
+        return dict(zip(names, jax.random.split(key, len(names))))
+
+    def data_seed(self, stage: str) -> int:
+        return self.config.run.seed + STREAMS[stage]
+
+    # -- data and rewards ----------------------------------------------------------------------------
+
+    @functools.cached_property
+    def tokenizer(self):
+        path = self.config.tokenizer.path
+        return ByteTokenizer() if path is None else HFTokenizer(path)
+
+    @functools.cached_property
+    def task(self):
+        task = self.config.task
+        return None if task.train_jsonl else get_task(task.name, seed=task.seed, **task.params)
+
+    def source(self, split: str):
+        task = self.config.task
+        if self.task is None:  # the user's JSONL files (the config requires both)
+            path = task.train_jsonl if split == "train" else task.eval_jsonl
+            return load_jsonl(cast(str, path), tokenizer=self.tokenizer, canvas=self.config.canvas,
+                              overlong=task.overlong)
+        return self.task.dataset(split)
+
+    # A step's batch is built whole on every process (shard 0 of 1): it then depends on the seed
+    # alone, not on how many processes run, and placing it on the mesh keeps each process's rows.
+    # Tokenizing and masking task examples costs next to nothing beside a step; a corpus-scale
+    # pipeline would shard by process and use `shard_batch(..., process_local=True)` instead.
+    def sft_batches(self, stage: str):
+        """The stage's endless stream of corrupted SFT batches (a grain iterator, checkpointable)."""
+        sft = self.config.sft
+        return iterate(sft_dataset(self.source("train"), self.tokenizer, self.config.canvas, sft.corruption,
+                                   seed=self.data_seed(stage), batch_size=sft.batch_size, shard_index=0,
+                                   shard_count=1))
+
+    def prompts(self, stage: str, batch_size: int):
+        """The stage's endless stream of training prompts (a grain iterator, checkpointable)."""
+        return iterate(prompt_dataset(self.source("train"), self.tokenizer, self.config.canvas,
+                                      seed=self.data_seed(stage), batch_size=batch_size, shard_index=0,
+                                      shard_count=1))
+
+    def reward(self, example: Example, completion: str) -> float:
+        if self.task is not None:
+            return self.task.reward(example, completion)
+        return 1.0 if completion.strip() == example.answer.strip() else 0.0  # user data: exact match
+
+    # -- configs -------------------------------------------------------------------------------------
+
+    def model_config(self, role: str) -> ModelConfig:
+        return ModelConfig(vocab_size=self.tokenizer.vocab_size, block_size=self.config.canvas.block_size,
+                           **getattr(self.config, role).model_kwargs())
+
+    def sampler_config(self, section: SamplerSection) -> SamplerConfig:
+        canvas, tok = self.config.canvas, self.tokenizer
+        distribution = SamplingDistribution(temperature=section.temperature, top_k=section.top_k,
+                                            top_p=section.top_p)
+        return SamplerConfig(block_size=canvas.block_size, max_new_tokens=canvas.max_new_tokens,
+                             mask_id=tok.mask_id, pad_id=tok.pad_id, distribution=distribution,
+                             strategy=section.strategy, threshold=section.threshold,
+                             steps_per_block=section.steps_per_block,
+                             max_steps_per_block=section.max_steps_per_block, confidence=section.confidence,
+                             stop_ids=(tok.eos_id,))
+
+    @staticmethod
+    def optimizer_config(section: OptimSection, steps: int) -> OptimizerConfig:
+        schedule = section.schedule if steps > section.warmup_steps else "constant"
+        return OptimizerConfig(learning_rate=section.lr, schedule=schedule, warmup_steps=section.warmup_steps,
+                               total_steps=steps if schedule != "constant" else None, b2=section.b2,
+                               weight_decay=section.weight_decay, max_grad_norm=section.clip_norm)
+
+    # -- fingerprints --------------------------------------------------------------------------------
+
+    def identity(self, role: str) -> Fingerprint:
+        """Model identity: architecture (without how it is computed), tokenizer, special ids, block
+        size, canvas and alignment."""
+        tok, canvas = self.tokenizer, self.config.canvas
+        architecture = {k: v for k, v in self.model_config(role).to_dict().items() if k not in EXECUTION_FIELDS}
+        return model_identity(architecture, tokenizer=tok.identity, vocab_size=tok.vocab_size, mask_id=tok.mask_id,
+                              block_size=canvas.block_size, canvas_policy=canvas.policy, alignment="target",
+                              extra={"pad_id": tok.pad_id, "eos_id": tok.eos_id, "prompt_len": canvas.prompt_len,
+                                     "max_new_tokens": canvas.max_new_tokens})
+
+    def rollout_semantics(self, section: SamplerSection) -> Fingerprint:
+        """What recorded traces mean: GRPO refuses to continue from traces sampled otherwise."""
+        return rollout_semantics(self.sampler_config(section), prompt_len=self.config.canvas.prompt_len)
+
+    # -- meshes and models ---------------------------------------------------------------------------
+
+    def mesh(self, *model_configs: ModelConfig, batch_size: int) -> jax.sharding.Mesh | None:
+        """The config's mesh over every process's devices, checked against each model and the
+        (micro)batch; None on a single device, where nothing is placed."""
+        section = self.config.mesh
+        if section.devices == 1:
+            return None
+        if section.devices != jax.device_count():
+            raise StageError(f"mesh: data*fsdp*model = {section.devices} but this run has {jax.device_count()} "
+                             f"devices over {jax.process_count()} process(es); match the mesh to the devices")
+        mesh = make_mesh(section.data, section.fsdp, section.model)
+        try:
+            for model_config in model_configs:
+                check_divisibility(model_config, mesh, batch_size)
+        except MeshError as err:
+            raise StageError(f"mesh: {err}") from None
+        return mesh
+
+    @staticmethod
+    def fresh_state(model_config: ModelConfig, optimizer, *, key: jax.Array,
+                    mesh: jax.sharding.Mesh | None = None) -> TrainState:
+        """A new model (built straight into its shards on a mesh) in a new train state."""
+        model_key, train_key = jax.random.split(key)
+        make = lambda: BlockDiffusionLM(model_config, key=model_key)  # noqa: E731
+        return TrainState.init(make() if mesh is None else init_sharded(make, mesh), optimizer, key=train_key)
+
+    def restore_model(self, directory: str | Path, model_config: ModelConfig, identity: Fingerprint, *, what: str,
+                      mesh: jax.sharding.Mesh | None = None) -> Any:
+        """The model saved in `directory` (its latest step), after checking its identity fingerprint
+        and leaves against `model_config`; any mismatch refuses with every differing field named.
+        With a mesh, it is restored straight into its shards."""
+        target = eqx.filter_eval_shape(BlockDiffusionLM, model_config, key=jax.random.key(0))
+        if mesh is not None:
+            specs = param_partition_specs(target, mesh)
+            target = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.NamedSharding(
+                mesh, spec)), target, specs)
+        checkpoints = open_checkpoints(directory, create=False)
+        try:
+            return checkpoints.restore_model(target, fingerprints={"identity": identity})
+        except (FingerprintMismatch, CheckpointError) as err:
+            raise StageError(f"{what}: {err}") from None
+        finally:
+            checkpoints.close()
+
+
+def open_checkpoints(directory: str | Path, *, create: bool, max_to_keep: int | None = 2) -> Checkpointer:
+    try:
+        return Checkpointer(directory, max_to_keep=max_to_keep, create=create)
+    except CheckpointError as err:
+        raise StageError(str(err)) from None
+
+
+def saved_identity(directory: str | Path) -> Fingerprint:
+    """The identity fingerprint a stage checkpoint was saved with."""
+    checkpoints = open_checkpoints(directory, create=False)
+    try:
+        fingerprints = checkpoints.fingerprints()
+    except CheckpointError as err:
+        raise StageError(str(err)) from None
+    finally:
+        checkpoints.close()
+    if "identity" not in fingerprints:
+        raise StageError(f"checkpoint {directory} records no model identity; it was not written by a bdlm stage")
+    return fingerprints["identity"]
+
+
+def check_distillation_pair(teacher: StageResult, student: StageResult) -> None:
+    """Teacher and student must share tokens and blocks (not the architecture) to distill."""
+    try:
+        require_compatible(teacher.fingerprint, student.fingerprint, SHARED_IDENTITY_KEYS,
+                           context=f"teacher checkpoint {teacher.checkpoint_dir} vs student")
+    except FingerprintMismatch as err:
+        raise StageError(f"{err}\nThe teacher must use the student's tokenizer, block size and canvas.") from None

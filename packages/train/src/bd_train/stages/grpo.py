@@ -1,0 +1,72 @@
+"""Stage 3: GRPO on the task's verifiable reward. Each step samples G completions per prompt with
+an exact trace, scores them, and takes `updates_per_rollout` clipped-ratio updates on the packed
+replay; the recorded log-probs are the old policy, so the first update's ratio is exactly 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from bd_models import token_logprobs
+
+from .._grpo import GRPOBatch, GRPOConfig, compute_advantages, distribution_score, make_grpo_loss
+from .._optim import make_optimizer
+from .._replay import build_replay, replay_capacity
+from .._trainer import Trainer
+from ._driver import StageResult, StageSpec, drive
+from ._rollout import on_mesh, roll_out
+from ._run import Run, RunDir
+
+GRPO_CURVES = ("reward_mean", "accuracy", "loss", "clip_fraction", "kl", "entropy")
+
+
+@eqx.filter_jit
+def _reference_logprobs(model, batch, distribution):
+    return token_logprobs(model, batch, distribution)[0]
+
+
+def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int | None = None) -> StageResult:
+    run = Run(config, where)
+    run.enable_compilation_cache()
+    cfg, section, group = run.config, run.config.grpo, run.config.grpo.group_size
+    identity = run.identity("student")
+    mesh = run.mesh(run.model_config("student"), batch_size=section.prompts_per_step * group)
+    model = run.restore_model(start.checkpoint_dir, run.model_config("student"), identity,
+                              what="student checkpoint after OPD", mesh=mesh)
+    reference = model if section.beta > 0 else None  # frozen: training builds new arrays
+    sampler = run.sampler_config(section.sampler)
+    grpo = GRPOConfig(advantage=section.advantage, ratio=section.ratio, aggregation=section.aggregation,
+                      epsilon_low=section.epsilon_low, epsilon_high=section.epsilon_high, beta=section.beta,
+                      norm_length=cfg.canvas.max_new_tokens)
+    total = section.steps * section.updates_per_rollout
+    optimizer = run.optimizer_config(section.optim, total)
+    trainer = Trainer(make_grpo_loss(grpo, distribution_score(sampler.distribution)), make_optimizer(optimizer))
+    keys = run.keys("grpo", "train", "rollout", "eval")
+    state = trainer.init(model, key=keys["train"])
+    prompts = run.prompts("grpo", section.prompts_per_step)
+
+    def step_fn(state, step):
+        batch = next(prompts)
+        repeat = lambda x: np.repeat(x, group, 0)  # noqa: E731
+        out = roll_out(state.model, (repeat(batch.tokens), repeat(batch.valid)),
+                       [e for e in batch.examples for _ in range(group)], sampler, tokenizer=run.tokenizer,
+                       reward=run.reward, key=jax.random.fold_in(keys["rollout"], step), mesh=mesh)
+        replay = build_replay(out.rollout, mask_id=run.tokenizer.mask_id, num_views=replay_capacity(sampler))
+        ref_logp = None if reference is None else _reference_logprobs(reference, replay.batch, sampler.distribution)
+        advantages = compute_advantages(out.rewards.astype(np.float32), group, section.advantage)
+        grpo_batch = on_mesh(GRPOBatch(replay.batch, replay.recorded_logprobs, advantages, ref_logp), mesh)
+        state, first = trainer.step(state, grpo_batch)
+        metrics = first
+        for _ in range(section.updates_per_rollout - 1):
+            state, metrics = trainer.step(state, grpo_batch)
+        return state, {**metrics, "ratio_first_update": first["ratio_mean"],
+                       "clip_fraction_first_update": first["clip_fraction"], **out.metrics()}
+
+    spec = StageSpec("grpo", "student", "GRPO", total,
+                     {"identity": identity, "rollout": run.rollout_semantics(section.sampler)},
+                     optimizer.learning_rate_schedule(), GRPO_CURVES, keys["eval"], mesh, section.updates_per_rollout)
+    return drive(run, spec, state, step_fn, prompts, fail_after=fail_after)

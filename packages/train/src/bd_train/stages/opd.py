@@ -1,0 +1,67 @@
+"""Stage 2: on-policy distillation. The student samples with an exact trace; its replayed views
+are scored by the frozen teacher, and the student minimizes forward KL(teacher ‖ student) there.
+
+Both checkpoints are checked against the config's identity before anything trains. On a mesh,
+the replay and the teacher's scoring stay on the mesh: nothing is gathered to one host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from bd_core import DistillationBatch
+from bd_models import ModelConfig
+
+from .._opd import OPDConfig, make_opd_loss
+from .._optim import make_optimizer
+from .._replay import build_replay, replay_capacity
+from .._trainer import Trainer
+from ._driver import StageResult, StageSpec, drive
+from ._rollout import on_mesh, roll_out
+from ._run import Run, RunDir
+
+OPD_CURVES = ("loss", "kl", "teacher_agreement", "nfe_per_token")
+
+
+@eqx.filter_jit
+def _teacher_logits(teacher, layout):
+    return teacher(layout)
+
+
+def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageResult,
+            fail_after: int | None = None) -> StageResult:
+    run = Run(config, where)
+    run.enable_compilation_cache()
+    section = run.config.opd
+    mask_id = run.tokenizer.mask_id
+    teacher_config = ModelConfig.from_dict(teacher.fingerprint.fields["architecture"])
+    mesh = run.mesh(run.model_config("student"), teacher_config, batch_size=section.prompts_per_step)
+    teacher_model = run.restore_model(teacher.checkpoint_dir, teacher_config, teacher.fingerprint,
+                                      what="teacher checkpoint", mesh=mesh)
+    identity = run.identity("student")
+    model = run.restore_model(student.checkpoint_dir, run.model_config("student"), identity,
+                              what="student SFT checkpoint", mesh=mesh)
+    sampler = run.sampler_config(section.sampler)
+    loss_fn = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
+                                      positions=section.positions, mask_id=mask_id))
+    optimizer = run.optimizer_config(section.optim, section.steps)
+    trainer = Trainer(loss_fn, make_optimizer(optimizer))
+    keys = run.keys("opd", "train", "rollout", "eval")
+    state = trainer.init(model, key=keys["train"])
+    prompts = run.prompts("opd", section.prompts_per_step)
+
+    def step_fn(state, step):
+        batch = next(prompts)
+        out = roll_out(state.model, (batch.tokens, batch.valid), batch.examples, sampler, tokenizer=run.tokenizer,
+                       reward=run.reward, key=jax.random.fold_in(keys["rollout"], step), mesh=mesh)
+        replay = build_replay(out.rollout, mask_id=mask_id, num_views=replay_capacity(sampler))
+        logits = _teacher_logits(teacher_model, replay.batch.layout)
+        state, metrics = trainer.step(state, on_mesh(DistillationBatch(replay.batch, logits), mesh))
+        return state, {**metrics, **out.metrics()}
+
+    spec = StageSpec("opd", "student", "OPD", section.steps, {"identity": identity},
+                     optimizer.learning_rate_schedule(), OPD_CURVES, keys["eval"], mesh)
+    return drive(run, spec, state, step_fn, prompts, fail_after=fail_after)

@@ -1,0 +1,73 @@
+"""Stage 1: supervised masked-diffusion fine-tuning of the teacher or the student.
+
+Resumable (continues from its latest checkpoint), tracked (one W&B run), and evaluated on the
+held-out split. A role may instead adopt an existing SFT checkpoint (`[teacher] checkpoint = ...`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from bd_core import require_compatible
+from bd_models import ModelConfig
+
+from .._optim import make_optimizer
+from .._sft import sft_objective
+from .._trainer import Trainer, TrainerConfig
+from ._driver import StageResult, StageSpec, drive, mesh_scope
+from ._evaluate import evaluate
+from ._rollout import on_mesh
+from ._run import ROLES, SHARED_IDENTITY_KEYS, Run, RunDir, StageError, saved_identity
+
+SFT_CURVES = ("loss", "grad_norm")
+
+
+def run_sft(config: Any, where: RunDir, *, role: str, fail_after: int | None = None) -> StageResult:
+    """Train (or adopt) the `role` model; returns its checkpoint, identity, history and eval."""
+    if role not in ROLES:
+        raise StageError(f"run_sft: role must be one of {ROLES}, got {role!r}")
+    run = Run(config, where)
+    run.enable_compilation_cache()
+    cfg, stage = run.config, f"sft-{role}"
+    if getattr(cfg, role).checkpoint:
+        return adopt(run, role)
+    steps = cfg.sft.steps_for(role)
+    keys = run.keys(stage, "init", "eval")
+    model_config = run.model_config(role)
+    mesh = run.mesh(model_config, batch_size=cfg.sft.batch_size // cfg.sft.microbatches)
+    optimizer = run.optimizer_config(cfg.sft.optim, steps)
+    trainer = Trainer(sft_objective, make_optimizer(optimizer), TrainerConfig(microbatches=cfg.sft.microbatches))
+    state = run.fresh_state(model_config, trainer.optimizer, key=keys["init"], mesh=mesh)
+    data = run.sft_batches(stage)
+
+    def step_fn(state, step):
+        batch = next(data)
+        state, metrics = trainer.step(state, on_mesh(batch, mesh))
+        return state, dict(metrics, tokens=float(batch.denom_weights.sum()))
+
+    spec = StageSpec(stage, role, "SFT", steps, {"identity": run.identity(role)}, optimizer.learning_rate_schedule(),
+                     SFT_CURVES, keys["eval"], mesh)
+    return drive(run, spec, state, step_fn, data, fail_after=fail_after)
+
+
+def adopt(run: Run, role: str) -> StageResult:
+    """Use a finished SFT checkpoint. Its architecture is whatever it was trained with; if its tokens
+    or blocks differ from this config it is still handed on, for the join to refuse by name."""
+    cfg = run.config
+    directory = getattr(cfg, role).checkpoint
+    identity = saved_identity(directory)
+    result = StageResult(stage=f"sft-{role}", role=role, checkpoint_dir=str(directory), step=-1,
+                         identity=identity.to_json(), history=[], evaluation=None)
+    try:
+        require_compatible(identity, run.identity(role), SHARED_IDENTITY_KEYS)
+    except ValueError:
+        return result
+    model_config = ModelConfig.from_dict(identity.fields["architecture"])
+    mesh = run.mesh(model_config, batch_size=cfg.sft.batch_size // cfg.sft.microbatches)
+    model = run.restore_model(directory, model_config, identity, what=f"{role} checkpoint", mesh=mesh)
+    with mesh_scope(mesh):
+        result.evaluation = evaluate(model, run, key=jax.random.key(cfg.run.seed), title=f"{role} (adopted)",
+                                     mesh=mesh)
+    return result

@@ -1,0 +1,92 @@
+"""The stages' driver on the smoke preset's student: a SIGTERM stops it with a save, a simulated
+failure (`fail_after`) stops it right after a saved step, and either way a second `drive`
+continues from the checkpoint (data position included) to the uninterrupted result."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tomllib
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from bd_train import Checkpointer, Trainer, make_optimizer, sft_objective
+from bd_train.stages import Run, RunDir, SimulatedFailure, StageError, StageSpec, drive, parse_pipeline_config
+
+SMOKE = Path(__file__).resolve().parents[3] / "flows" / "configs" / "smoke.toml"
+TOTAL = 10
+
+
+def _run(output_dir: Path) -> Run:
+    data = tomllib.loads(SMOKE.read_text())
+    data["run"].update(output_dir=str(output_dir), checkpoint_every=4, max_to_keep=5)
+    config = parse_pipeline_config(data)
+    return Run(config, RunDir.create(config, run_id="driver"))
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch):
+    monkeypatch.setenv("BDLM_PROGRESS", "0")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    return _run(tmp_path)
+
+
+def _drive(run: Run, *, stop_at: int | None = None, fail_after: int | None = None):
+    """The student's SFT through `drive`; sends itself SIGTERM during update `stop_at`."""
+    optimizer = run.optimizer_config(run.config.sft.optim, TOTAL)
+    trainer = Trainer(sft_objective, make_optimizer(optimizer))
+    keys = run.keys("sft-student", "init", "eval")
+    state = run.fresh_state(run.model_config("student"), trainer.optimizer, key=keys["init"])
+    data = run.sft_batches("sft-student")
+
+    def step_fn(state, step):
+        if step == stop_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return trainer.step(state, next(data))
+
+    spec = StageSpec("sft-student", "student", "SFT", TOTAL, {"identity": run.identity("student")},
+                     optimizer.learning_rate_schedule(), ("loss",), keys["eval"])
+    return drive(run, spec, state, step_fn, data, fail_after=fail_after)
+
+
+def _final_params(run: Run) -> list[np.ndarray]:
+    optimizer = make_optimizer(run.optimizer_config(run.config.sft.optim, TOTAL))
+    target = run.fresh_state(run.model_config("student"), optimizer, key=jax.random.key(0))
+    with Checkpointer(run.where.checkpoint_dir("sft-student"), create=False) as checkpoints:
+        state = checkpoints.restore(target)
+    assert int(state.step) == TOTAL
+    return [np.asarray(x) for x in jax.tree.leaves(state.params)]
+
+
+def _saved_steps(run: Run) -> list[int]:
+    with Checkpointer(run.where.checkpoint_dir("sft-student"), create=False) as checkpoints:
+        return checkpoints.all_steps()
+
+
+def test_sigterm_saves_and_a_second_drive_continues_to_the_uninterrupted_result(run, tmp_path_factory):
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(StageError, match=r"sft-student: stopped by SIGTERM at step 6; the checkpoint is saved"):
+        _drive(run, stop_at=5)
+    assert signal.getsignal(signal.SIGTERM) == previous
+    assert _saved_steps(run) == [4, 6]  # the periodic save, then the one on SIGTERM
+    resumed = _drive(run)
+    assert [row["step"] for row in resumed.history] == [7, 8, 9, 10]
+    assert resumed.evaluation is not None and resumed.evaluation.n == 16
+
+    uninterrupted = _run(tmp_path_factory.mktemp("uninterrupted"))
+    reference = _drive(uninterrupted)
+    assert [row["loss"] for row in reference.history][6:] == [row["loss"] for row in resumed.history]
+    for got, want in zip(_final_params(run), _final_params(uninterrupted)):
+        np.testing.assert_array_equal(got, want)
+    assert resumed.evaluation.metrics() == reference.evaluation.metrics()
+
+
+def test_fail_after_stops_right_after_a_saved_step_once(run):
+    with pytest.raises(SimulatedFailure, match="sft-student: simulated failure after step 3"):
+        _drive(run, fail_after=3)
+    assert _saved_steps(run) == [3]
+    resumed = _drive(run, fail_after=3)  # started at step 3: the failure is behind it
+    assert [row["step"] for row in resumed.history] == list(range(4, TOTAL + 1))
