@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -106,8 +107,10 @@ def train_sort_model(steps: int = 400, batch: int = 64):
         noisy = jnp.where(masked, TOK.mask_id, answer)
         shape = (answer.shape[0], 24)
         parts = [np.concatenate([a, b]) for a, b in zip(clean_meta, noisy_meta)]
-        layout = ViewLayout(jnp.concatenate([prompt, answer, noisy], 1), *(jnp.broadcast_to(p, shape).astype(
-            jnp.bool_ if p.dtype == bool else jnp.int32) for p in parts[:3]), jnp.concatenate(
+        tokens = jnp.concatenate([prompt, answer, noisy], 1)
+        positions, block_ids, view_ids = (jnp.broadcast_to(p, shape).astype(
+            jnp.bool_ if p.dtype == bool else jnp.int32) for p in parts[:3])
+        layout = ViewLayout(tokens, positions, block_ids, view_ids, jnp.concatenate(
             [valid, jnp.ones((shape[0], 16), bool)], 1))
 
         def loss(m):
@@ -132,7 +135,8 @@ def parallel_decoding(results: dict) -> list[tuple[str, float, float]]:
     results["sort_final_train_loss"] = loss
     prompt, valid, _, examples = sort_data(task, 256, 0, "eval")
     rows = []
-    settings = [(f"tau_{tau}", dict(strategy="threshold", threshold=tau)) for tau in (0.5, 0.7, 0.9)]
+    settings: list[tuple[str, dict[str, Any]]] = [
+        (f"tau_{tau}", dict(strategy="threshold", threshold=tau)) for tau in (0.5, 0.7, 0.9)]
     settings.append(("one_per_step", dict(strategy="steps")))
     for name, extra in settings:
         cfg = SamplerConfig(block_size=4, max_new_tokens=8, mask_id=TOK.mask_id, pad_id=TOK.pad_id,
@@ -141,6 +145,7 @@ def parallel_decoding(results: dict) -> list[tuple[str, float, float]]:
         texts = decode_completions(TOK, out, stop_ids=cfg.stop_ids)
         accuracy = float(np.mean([task.is_correct(e, t) for e, t in zip(examples, texts)]))
         generated = np.asarray(out.completion_valid).sum(1)
+        assert out.trace is not None  # sample() always records the denoising trace
         nfe_per_token = float(np.mean(np.asarray(out.trace.step_valid).sum(1) / generated))
         results[f"nfe_per_token_{name}"], results[f"accuracy_{name}"] = nfe_per_token, accuracy
         rows.append((name, nfe_per_token, accuracy))

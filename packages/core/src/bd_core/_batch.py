@@ -42,11 +42,11 @@ class ViewLayout:
     the canvas block, `view_ids` 0 for the clean stream and v >= 1 for noisy view v.
     """
 
-    tokens: Array
-    positions: Array
-    block_ids: Array
-    view_ids: Array
-    valid: Array
+    tokens: Array | np.ndarray
+    positions: Array | np.ndarray
+    block_ids: Array | np.ndarray
+    view_ids: Array | np.ndarray
+    valid: Array | np.ndarray
 
     @classmethod
     def create(cls, tokens, positions, block_ids, view_ids, valid, *, validate: bool = True) -> ViewLayout:
@@ -92,9 +92,9 @@ class DiffusionTokenBatch:
     """
 
     layout: ViewLayout
-    targets: Array
-    weights: Array
-    denom_weights: Array
+    targets: Array | np.ndarray
+    weights: Array | np.ndarray
+    denom_weights: Array | np.ndarray
 
     @classmethod
     def create(cls, layout: ViewLayout, targets, weights, denom_weights=None, *, vocab_size: int | None = None,

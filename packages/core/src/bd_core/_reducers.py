@@ -135,7 +135,7 @@ def reduce_metrics(buffer: Sequence[Mapping[str, Metric]] | Mapping[str, Metric]
                     f"metric {key!r} changes kind inside one buffer: {kinds[key]} before entry "
                     f"{index}, {kind} there; a key must always be a WeightedMetric or always a plain array"
                 )
-            if kind == "weighted":
+            if isinstance(value, WeightedMetric):  # kind == "weighted", narrowed for the type checker
                 total = value.total()
                 if key in weighted:
                     _check_settings(weighted[key], total, key)

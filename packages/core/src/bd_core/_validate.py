@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.core  # already loaded by `import jax`; named so that `jax.core.Tracer` resolves statically
 import jax.numpy as jnp
 import numpy as np
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 
@@ -103,7 +103,8 @@ def corrupt(canvas: Canvas, canvas_config: CanvasConfig, config: CorruptionConfi
     n = length - p
     clean, valid = canvas.tokens[:, p:], canvas.valid[:, p:]
     valid_blocks = valid.reshape(batch, n // b, b)
-    block_valid = valid_blocks.any(-1)
+    # [B, N/b]: numpy's stubs allow a scalar for any reduction, but this one is over the last axis of a 3-D array
+    block_valid = cast(np.ndarray, valid_blocks.any(-1))
 
     t = sample_t(block_valid, config, rng)
     rate = np.repeat(config.mask_rate(t), b, axis=1)

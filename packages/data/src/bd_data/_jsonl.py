@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ._canvas import OVERLONG_POLICIES, CanvasConfig, CanvasOverflow, fit_to_canvas
 from ._example import Example
+from ._tokenizer import Tokenizer
 
 FIELDS = ("prompt", "completion")
 
@@ -88,7 +89,7 @@ def _record(path: Path, number: int, raw: bytes) -> tuple[str, str] | None:
     return values[0], values[1]
 
 
-def load_jsonl(path: str | Path, *, tokenizer=None, canvas: CanvasConfig | None = None,
+def load_jsonl(path: str | Path, *, tokenizer: Tokenizer | None = None, canvas: CanvasConfig | None = None,
                overlong: str = "error") -> JsonlSource:
     """Load and check every record; with `tokenizer` and `canvas`, apply the over-long policy
     (`error`, `truncate` or `skip`) and keep the token ids of each example."""
@@ -110,6 +111,7 @@ def load_jsonl(path: str | Path, *, tokenizer=None, canvas: CanvasConfig | None 
             prompt, completion = record
             prompt_ids = answer_ids = None
             if canvas is not None:
+                assert tokenizer is not None  # checked above: tokenizer= and canvas= come together
                 try:
                     fitted = fit_to_canvas(tokenizer.encode(prompt), tokenizer.encode(completion), canvas, overlong)
                 except CanvasOverflow as err:

@@ -54,12 +54,30 @@ class ByteTokenizer:
     def __init__(self, *, with_bos: bool = False):
         self.with_bos = bool(with_bos)
 
-    vocab_size = property(lambda self: 260 if self.with_bos else 259)
-    pad_id = property(lambda self: self.PAD)
-    mask_id = property(lambda self: self.MASK)
-    eos_id = property(lambda self: self.EOS)
-    bos_id = property(lambda self: self.BOS if self.with_bos else None)
-    identity = property(lambda self: "bytes-v1+bos" if self.with_bos else "bytes-v1")
+    # `@property` methods (not `property(lambda ...)`) so that type checkers see this class satisfy `Tokenizer`.
+    @property
+    def vocab_size(self) -> int:
+        return 260 if self.with_bos else 259
+
+    @property
+    def pad_id(self) -> int:
+        return self.PAD
+
+    @property
+    def mask_id(self) -> int:
+        return self.MASK
+
+    @property
+    def eos_id(self) -> int:
+        return self.EOS
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.BOS if self.with_bos else None
+
+    @property
+    def identity(self) -> str:
+        return "bytes-v1+bos" if self.with_bos else "bytes-v1"
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
@@ -110,11 +128,25 @@ class HFTokenizer:
             )
         return int(token_id)
 
-    vocab_size = property(lambda self: int(self._tok.get_vocab_size(with_added_tokens=True)))
-    pad_id = property(lambda self: self._pad)
-    mask_id = property(lambda self: self._mask)
-    eos_id = property(lambda self: self._eos)
-    identity = property(lambda self: f"hf-{self._digest}")
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad
+
+    @property
+    def mask_id(self) -> int:
+        return self._mask
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+    @property
+    def identity(self) -> str:
+        return f"hf-{self._digest}"
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)

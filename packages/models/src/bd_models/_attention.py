@@ -170,7 +170,8 @@ def blocked_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_me
     q = pad(q_BxKxGxTxE, t_pad - t, 3)
     k, v = pad(k_BxKxSxE, s_pad - s, 2), pad(v_BxKxSxE, s_pad - s, 2)
     out = _flash(q, k, v, q_meta.pad_to(t_pad), k_meta.pad_to(s_pad), q_tile, k_tile)
-    return out[:, :, :, :t]
+    # jax.custom_vjp's unannotated __new__ may return a custom_vjp3, whose __call__ pyright infers as object.
+    return out[:, :, :, :t]  # pyright: ignore[reportIndexIssue]
 
 
 def sharded_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta: TokenMeta, *,
@@ -193,7 +194,8 @@ def sharded_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_me
             f"by model={mesh.shape[MODEL_AXIS]}; change the batch size, n_kv_heads or the mesh shape"
         )
     q_spec, kv_spec, meta_spec = P(BATCH_AXES, MODEL_AXIS), P(BATCH_AXES, MODEL_AXIS), P(BATCH_AXES)
-    metas = TokenMeta(meta_spec, meta_spec, meta_spec)
+    # A TokenMeta of specs (a pytree prefix of the metas), not of arrays: `_make` takes any values.
+    metas = TokenMeta._make((meta_spec, meta_spec, meta_spec))
     return jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, metas, metas), out_specs=q_spec,
                          check_vma=False)(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta)
 

@@ -108,5 +108,6 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig: missing required field(s) {missing}; add them")
         # JSON (and canonical fingerprints) write 10000.0 as 10000: float fields take ints back.
         floats = {"rope_theta", "norm_eps"}
-        return cls(**{k: float(v) if k in floats and isinstance(v, int) and not isinstance(v, bool) else v
-                      for k, v in data.items()})
+        kwargs: dict[str, Any] = {k: float(v) if k in floats and isinstance(v, int) and not isinstance(v, bool) else v
+                                  for k, v in data.items()}
+        return cls(**kwargs)

@@ -37,7 +37,9 @@ _SPECS = {
 }
 
 
-def make_mesh(data: int, fsdp: int, model: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+# jax.Device is the jaxlib class re-exported by assignment, and jaxlib ships no stub: pyright sees a variable.
+def make_mesh(data: int, fsdp: int, model: int,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:  # pyright: ignore[reportInvalidTypeForm]
     """A (`data`, `fsdp`, `model`) mesh with Auto axis types (GSPMD propagates the shardings)."""
     devices = list(jax.devices() if devices is None else devices)
     if data * fsdp * model != len(devices):

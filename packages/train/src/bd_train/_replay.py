@@ -31,7 +31,7 @@ class ReplayBatch:
     step_index: Array
 
     @property
-    def mask(self) -> Array:
+    def mask(self) -> Array | np.ndarray:
         """Where a replayed token is scored: the committed positions of valid steps."""
         return self.batch.weights > 0
 
