@@ -88,9 +88,6 @@ class Task(abc.ABC):
     def is_correct(self, example: Example, completion: str) -> bool:
         return self.reward(example, completion) == CORRECT
 
-    def fingerprint_fields(self) -> dict:
-        return {"task": self.name, **dataclasses.asdict(self)}
-
 
 @dataclasses.dataclass(frozen=True)
 class TaskSource(Sequence):
