@@ -34,7 +34,7 @@ def test_presets_are_valid(preset):
         ("[task]\ntrain_jsonl = 'no/such.jsonl'\neval_jsonl = 'no/such.jsonl'\n",
          "task.train_jsonl: file 'no/such.jsonl' does not exist"),
         ("[grpo]\ngroup_size = 1\n", "grpo.group_size: expected >= 2"),
-        ("[canvas]\nblock_size = 3\n", "prompt_len=16 is not a multiple of block_size=3"),
+        ("[canvas]\nblock_size = 3\n", "canvas.prompt_len: expected a multiple of block_size=3, got 16"),
         ("[teacher]\nd_model = 'big'\n", "teacher.d_model: expected an integer, got 'big'"),
         ("[sft\n", "not valid TOML"),
         ("[canvas]\npolicy = 'contiguous'\n", "canvas.policy: the pipeline's rollouts"),

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from bd_models import BlockDiffusionLM, ConfigError, ModelConfig
@@ -14,7 +15,11 @@ def _loss(model, layout):
     return jnp.sum(jnp.tanh(model(layout)) * layout.valid[..., None])
 
 
-def test_gradients_are_identical_under_every_policy(layouts):
+def test_gradients_are_the_same_under_every_policy(layouts):
+    """The loss is bit-identical. The gradients agree to the last bits of the largest entry: XLA
+    may sum a reduction over tokens (e.g. a norm scale's gradient) in another order in the
+    rematerialized program. Measured on an AMD EPYC host: only `attn_norm` differed, by one ulp
+    of its largest entry; on the hosts of earlier runs every leaf was bit-identical."""
     layout = layouts(0, batch=2, prompt_blocks=1, completion_blocks=2).layout
     grad = jax.jit(jax.value_and_grad(_loss))
     loss, grads = grad(BlockDiffusionLM(CONFIG, key=jax.random.key(0)), layout)
@@ -22,7 +27,8 @@ def test_gradients_are_identical_under_every_policy(layouts):
         remat_loss, remat_grads = grad(BlockDiffusionLM(CONFIG.replace(remat=policy), key=jax.random.key(0)), layout)
         assert remat_loss == loss, policy
         for got, want in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(grads)):
-            assert jnp.array_equal(got, want), policy
+            ulp = np.finfo(np.float32).eps * float(jnp.max(jnp.abs(want)))
+            np.testing.assert_allclose(got, want, rtol=0, atol=4 * ulp, err_msg=policy)
 
 
 def test_remat_saves_less_for_the_backward_pass(layouts):

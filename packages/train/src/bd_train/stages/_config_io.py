@@ -85,8 +85,9 @@ def build(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
         raise ConfigError(f"{prefix}{missing[0]}: required key is missing from [{where or 'top level'}]")
     try:
         return cls(**kwargs)
-    except ConfigError as err:  # raised by our own sections with the field's relative name
-        raise ConfigError(f"{prefix}{err}") from None
+    except ConfigError as err:  # names the field relative to the section, or as `<Class>.<field>`
+        message = str(err).removeprefix(f"{cls.__name__}.")
+        raise ConfigError(f"{prefix}{message}") from None
     except (ValueError, TypeError) as err:
         raise ConfigError(f"[{where or 'top level'}] {err}") from err
 
