@@ -3,6 +3,7 @@ checks, stray temp dirs, SIGTERM."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 from bd_core import FingerprintMismatch
 from bd_models import BlockDiffusionLM, ModelConfig
 from bd_train import (
+    CheckpointCorrupted,
     Checkpointer,
     CheckpointError,
     CheckpointMismatch,
@@ -144,3 +146,60 @@ def test_sigterm_saves_the_current_step_and_stops(tmp_path, toy_model, batch_fac
         assert result.preempted and int(result.state.step) == 3
         assert checkpointer.all_steps() == [3]
     assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def _largest_data_file(directory, item: str = "model"):
+    files = [p for p in (directory / "0" / item).rglob("*") if p.is_file() and p.parent.name == "d"]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
+def test_damaged_files_are_refused_by_name_with_how_to_recover(tmp_path, damage):
+    """Three flipped bytes used to restore silently; a truncated file gave a long Orbax traceback."""
+    state = _real_state(TINY)
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(state)
+    path = _largest_data_file(tmp_path)
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        for i in (len(data) // 3, len(data) // 2, 2 * len(data) // 3):
+            data[i] ^= 0x5A
+        path.write_bytes(bytes(data))
+    elif damage == "truncate":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        path.unlink()
+    with Checkpointer(tmp_path, create=False) as checkpoints:
+        with pytest.raises(CheckpointCorrupted) as err:
+            checkpoints.restore(state)
+        with pytest.raises(CheckpointCorrupted):
+            checkpoints.restore_model(state.model)
+    message = str(err.value)
+    assert f"checkpoint {tmp_path} step 0" in message and "Rerun the stage that wrote it" in message
+    assert len(message.splitlines()) == 1
+    if damage == "flip":  # the digest names what no longer holds what was saved
+        assert "the content of model/" in message and "differs from what was saved" in message
+
+
+def test_an_earlier_step_is_offered_when_the_latest_is_damaged(tmp_path):
+    state = _real_state(TINY)
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(state)
+        checkpoints.save(dataclasses.replace(state, step=state.step + 1))
+    files = [p for p in (tmp_path / "1" / "model").rglob("*") if p.is_file() and p.parent.name == "d"]
+    for path in files:
+        path.write_bytes(path.read_bytes()[:8])
+    with Checkpointer(tmp_path, create=False) as checkpoints:
+        with pytest.raises(CheckpointCorrupted, match=r"Restore an earlier step \(\[0\]\)"):
+            checkpoints.restore(state)
+        assert int(checkpoints.restore(state, step=0).step) == 0  # the earlier step is intact
+
+
+def test_undamaged_checkpoints_restore_their_digested_content(tmp_path):
+    state = _real_state(TINY)
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(state)
+        assert set(checkpoints.read_meta()["digests"]) >= {"model/embedding", "counters/step", "rng/key"}
+        restored = checkpoints.restore(state)
+    for got, want in zip(jax.tree.leaves(restored.params), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -12,6 +12,7 @@ from ._accumulate import accumulate as accumulate
 from ._accumulate import interleave_microbatches as interleave_microbatches
 from ._accumulate import normalize as normalize
 from ._accumulate import split_microbatches as split_microbatches
+from ._checkpoint import CheckpointCorrupted as CheckpointCorrupted
 from ._checkpoint import Checkpointer as Checkpointer
 from ._checkpoint import CheckpointError as CheckpointError
 from ._checkpoint import CheckpointMismatch as CheckpointMismatch

@@ -1,12 +1,18 @@
 """Orbax checkpoints of a `TrainState` (+ data-iterator state) with fingerprinted JSON metadata.
 
 Restores fail closed: fingerprints, then every saved leaf's shape and dtype are compared with the
-target before any array is read, and the error names each differing field or leaf.
+target before any array is read, and the error names each differing field or leaf. Every save
+records a content digest (SHA-256 of dtype, shape and bytes) of each array; every restore
+recomputes them and refuses, naming the array, if the files no longer hold what was saved. A
+file that cannot be read (truncated, missing) is one `CheckpointCorrupted` message too.
+Digests cover arrays whose every shard this process holds (all of them in one process); an
+array that spans processes is not digested.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.metadata
 import os
 from collections.abc import Mapping
@@ -32,6 +38,10 @@ _VERSIONED = ("bd-core", "bd-data", "bd-models", "bd-train", "jax", "equinox", "
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete or was asked for in a way that cannot work."""
+
+
+class CheckpointCorrupted(CheckpointError):
+    """A checkpoint whose files cannot be read, or no longer hold what was saved."""
 
 
 class CheckpointMismatch(CheckpointError):
@@ -130,6 +140,27 @@ def _mesh_of(tree: Any) -> jax.sharding.Mesh | None:
     return None
 
 
+def _digest(x: Any) -> str | None:
+    """SHA-256 of an array's dtype, shape and bytes; None for an array that spans processes."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return None
+    value = np.ascontiguousarray(np.asarray(x))
+    h = hashlib.sha256(f"{value.dtype.str}{value.shape}".encode())
+    h.update(value.tobytes())
+    return h.hexdigest()
+
+
+def _digests(items: Mapping[str, Any]) -> dict[str, str]:
+    """`{"<item>/<leaf path>": digest}` over the array items of a checkpoint."""
+    out = {}
+    for name, tree in items.items():
+        for path, leaf in _flat(tree, name).items():
+            digest = _digest(leaf)
+            if digest is not None:
+                out[path] = digest
+    return out
+
+
 def _describe(shape: Any, dtype: Any) -> str:
     return f"{tuple(shape)} {jnp.dtype(dtype).name}"
 
@@ -186,7 +217,37 @@ class Checkpointer:
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         step = self._resolve(step)
-        return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+        return dict(self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore()), "its metadata")["meta"])
+
+    def _read(self, step: int, args: Any, what: str) -> Any:
+        """`manager.restore`, with an unreadable file turned into one message that says how to recover."""
+        try:
+            return self._manager.restore(step, args=args)
+        except Exception as err:  # noqa: BLE001  (tensorstore/orbax raise many kinds for a damaged file)
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+            raise CheckpointCorrupted(
+                f"checkpoint {self.directory} step {step}: {what} could not be read ({type(err).__name__}: {first}); "
+                f"its files are truncated, missing or damaged. {self._recovery(step)}") from None
+
+    def _recovery(self, step: int) -> str:
+        earlier = [s for s in self.all_steps() if s < step]
+        if earlier:
+            return (f"Restore an earlier step ({earlier}) after removing {os.path.join(self.directory, str(step))}, "
+                    "or rerun the stage")
+        return "Rerun the stage that wrote it"
+
+    def _verify(self, restored: Mapping[str, Any], step: int, meta: Mapping[str, Any]) -> None:
+        """Refuse restored arrays whose content digest differs from the one recorded at save."""
+        saved = meta.get("digests")
+        if saved is None:
+            raise CheckpointCorrupted(f"checkpoint {self.directory} step {step} records no content digests (it was "
+                                      f"written by an older bdlm), so its content cannot be verified; rerun the "
+                                      "stage that wrote it")
+        # An array saved across processes has no digest: it is not verified (see the module docstring).
+        bad = sorted(path for path, digest in _digests(restored).items() if saved.get(path, digest) != digest)
+        if bad:
+            raise CheckpointCorrupted(f"checkpoint {self.directory} step {step}: the content of {', '.join(bad)} "
+                                      f"differs from what was saved; the files are corrupted. {self._recovery(step)}")
 
     def fingerprints(self, step: int | None = None) -> dict[str, Fingerprint]:
         return {name: Fingerprint.from_json(record) for name, record in self.read_meta(step)["fingerprints"].items()}
@@ -207,6 +268,7 @@ class Checkpointer:
             "versions": _versions(),
             "config": None if config is None else as_plain_dict(config, "save(config=...)"),
             "has_data_state": data_iterator is not None,
+            "digests": _digests(_arrays_of(state)),
         }
         # Orbax refuses empty trees (e.g. plain SGD's optimizer state): such items are left out.
         items: dict[str, Any] = {name: ocp.args.StandardSave(tree) for name, tree in _arrays_of(state).items() if tree}
@@ -249,7 +311,11 @@ class Checkpointer:
         self._check_items(_arrays_of(target), self._resolve(step))
 
     def _check_items(self, items: Mapping[str, Any], step: int) -> None:
-        metadata = self._manager.item_metadata(step)
+        try:
+            metadata = self._manager.item_metadata(step)
+        except Exception as err:  # noqa: BLE001  (a damaged metadata file)
+            raise CheckpointCorrupted(f"checkpoint {self.directory} step {step}: its array metadata could not be read "
+                                      f"({type(err).__name__}); {self._recovery(step)}") from None
         differences = {}
         for name, tree in items.items():
             item = metadata.get(name) if hasattr(metadata, "get") else metadata[name]
@@ -281,7 +347,9 @@ class Checkpointer:
         arrays = _nested(target)
         mesh = _mesh_of(arrays)
         abstract = jax.tree_util.tree_map(lambda x: _abstract(x, mesh), arrays)
-        restored = self._manager.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(abstract)))
+        meta = self.read_meta(step)
+        restored = self._read(step, ocp.args.Composite(model=ocp.args.StandardRestore(abstract)), "the model")
+        self._verify({"model": restored["model"]}, step, meta)
         return _fill(target, restored["model"])
 
     def restore(self, target: TrainState, *, step: int | None = None,
@@ -302,7 +370,8 @@ class Checkpointer:
             for name, tree in arrays.items() if tree}
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        restored = self._read(step, ocp.args.Composite(**items), "the saved state")
+        self._verify({name: restored[name] for name in arrays if arrays[name]}, step, self.read_meta(step))
         key = restored["rng"]["key"]
         if _is_key(target.key):
             key = jax.random.wrap_key_data(key, impl=jax.random.key_impl(target.key))
