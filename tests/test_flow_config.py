@@ -85,7 +85,7 @@ def test_identity_pins_what_the_model_computes_not_how():
     how = Run(parse_pipeline_config(base.replace("[student]\n", "[student]\nattention = 'dense'\nremat = 'full'\n")))
     assert how.identity("student").digest == identity.digest
     wider = Run(parse_pipeline_config(base.replace("[student]\nd_model = 16", "[student]\nd_model = 32")))
-    assert set(wider.identity("student").diff(identity)) == {"architecture"}
+    assert set(wider.identity("student").diff(identity)) == {"architecture.d_model", "architecture.d_ff"}
 
 
 def test_rollout_semantics_pin_the_sampling_distribution():

@@ -60,3 +60,12 @@ def test_json_round_trip():
 def test_unsupported_values_are_named():
     with pytest.raises(TypeError, match="cannot canonicalize a object"):
         fingerprint({"a": object()})
+
+
+def test_diff_names_nested_fields_by_path():
+    saved = fingerprint({"architecture": {"d_model": 48, "n_layers": 2}, "block_size": 4})
+    current = fingerprint({"architecture": {"d_model": 64, "n_layers": 2}, "block_size": 4})
+    assert saved.diff(current) == {"architecture.d_model": (48, 64)}
+    with pytest.raises(FingerprintMismatch, match=r"architecture\.d_model"):
+        require_compatible(saved, current, ["architecture"])
+    require_compatible(saved, current, ["block_size"])  # only the named keys are compared

@@ -20,9 +20,10 @@ SMOKE = Path(__file__).resolve().parents[3] / "flows" / "configs" / "smoke.toml"
 TOTAL = 10
 
 
-def _run(output_dir: Path) -> Run:
+def _run(output_dir: Path, lr: float = 3e-3) -> Run:
     data = tomllib.loads(SMOKE.read_text())
     data["run"].update(output_dir=str(output_dir), checkpoint_every=4, max_to_keep=5)
+    data["sft"]["optim"]["lr"] = lr
     config = parse_pipeline_config(data)
     return Run(config, RunDir.create(config, run_id="driver"))
 
@@ -47,7 +48,8 @@ def _drive(run: Run, *, stop_at: int | None = None, fail_after: int | None = Non
             os.kill(os.getpid(), signal.SIGTERM)
         return trainer.step(state, next(data))
 
-    spec = StageSpec("sft-student", "student", "SFT", TOTAL, {"identity": run.identity("student")},
+    pinned = {"identity": run.identity("student"), "training": run.training("sft-student")}
+    spec = StageSpec("sft-student", "student", "SFT", TOTAL, pinned,
                      optimizer.learning_rate_schedule(), ("loss",), keys["eval"])
     return drive(run, spec, state, step_fn, data, fail_after=fail_after)
 
@@ -90,3 +92,12 @@ def test_fail_after_stops_right_after_a_saved_step_once(run):
     assert _saved_steps(run) == [3]
     resumed = _drive(run, fail_after=3)  # started at step 3: the failure is behind it
     assert [row["step"] for row in resumed.history] == list(range(4, TOTAL + 1))
+
+
+def test_a_resume_under_changed_training_settings_is_refused_by_field(run, tmp_path):
+    """The stage's checkpoints pin its training settings: continuing them with another learning
+    rate would silently mix two runs."""
+    with pytest.raises(SimulatedFailure):
+        _drive(run, fail_after=3)
+    with pytest.raises(StageError, match=r"training\.sft\.optim\.lr: saved 0\.003, current 0\.001"):
+        _drive(_run(tmp_path, lr=1e-3))

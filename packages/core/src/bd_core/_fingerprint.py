@@ -66,13 +66,9 @@ class Fingerprint:
     version: int = FINGERPRINT_VERSION
 
     def diff(self, other: Fingerprint) -> dict[str, tuple[Any, Any]]:
-        """Fields whose values differ (or exist on one side only): key -> (self's, other's)."""
-        keys = set(self.fields) | set(other.fields)
-        out = {}
-        for key in keys:
-            mine, theirs = self.fields.get(key, _MISSING), other.fields.get(key, _MISSING)
-            if mine != theirs:
-                out[key] = (mine, theirs)
+        """Fields whose values differ (or exist on one side only): key -> (self's, other's). Nested
+        tables are compared key by key and named by dotted path (`architecture.d_model`)."""
+        out = _diff(self.fields, other.fields, "")
         if self.version != other.version:
             out["<fingerprint version>"] = (self.version, other.version)
         return out
@@ -94,12 +90,23 @@ def fingerprint(fields: Mapping[str, Any], *, version: int = FINGERPRINT_VERSION
     return Fingerprint(hashlib.sha256(payload.encode()).hexdigest(), canon, version)
 
 
+def _diff(mine: dict[str, Any], theirs: dict[str, Any], prefix: str) -> dict[str, tuple[Any, Any]]:
+    out: dict[str, tuple[Any, Any]] = {}
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(key, _MISSING), theirs.get(key, _MISSING)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.update(_diff(a, b, f"{prefix}{key}."))
+        elif a != b:
+            out[f"{prefix}{key}"] = (a, b)
+    return out
+
+
 def require_compatible(saved: Fingerprint, current: Fingerprint, keys: Iterable[str] | None = None,
                        *, context: str = "") -> None:
     """Raise `FingerprintMismatch` naming every differing field (restricted to `keys` if given)."""
     differences = saved.diff(current)
     if keys is not None:
         wanted = set(keys)
-        differences = {k: v for k, v in differences.items() if k in wanted}
+        differences = {k: v for k, v in differences.items() if k.split(".")[0] in wanted}
     if differences:
         raise FingerprintMismatch(differences, context)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 import equinox as eqx
 import jax
 
-from bd_core import Fingerprint, FingerprintMismatch, require_compatible
+from bd_core import Fingerprint, FingerprintMismatch, fingerprint, require_compatible
 from bd_data import ByteTokenizer, Example, HFTokenizer, get_task, iterate, load_jsonl, prompt_dataset, sft_dataset
 from bd_models import (
     BlockDiffusionLM,
@@ -32,6 +32,7 @@ from .._fingerprints import model_identity, rollout_semantics
 from .._optim import OptimizerConfig
 from .._trainer import TrainState
 from ._config import OptimSection, PipelineConfig, SamplerSection, pipeline_config
+from ._config_io import to_dict
 
 if TYPE_CHECKING:
     from ._driver import StageResult
@@ -184,6 +185,18 @@ class Run:
                               block_size=canvas.block_size, canvas_policy=canvas.policy, alignment="target",
                               extra={"pad_id": tok.pad_id, "eos_id": tok.eos_id, "prompt_len": canvas.prompt_len,
                                      "max_new_tokens": canvas.max_new_tokens})
+
+    def training(self, stage: str) -> Fingerprint:
+        """What defines a stage's training beyond the model: the task, the seed and the stage's
+        whole config section (steps, batch, optimizer and schedule, corruption or objective,
+        rollout decoding). A stage's checkpoints pin it, so a resume under a changed preset is
+        refused by field name (`training.sft.optim.lr: saved 0.003, current 0.001`)."""
+        cfg = self.config
+        section = "sft" if stage.startswith("sft-") else stage
+        fields: dict[str, Any] = {"seed": cfg.run.seed, "task": cfg.task, section: getattr(cfg, section)}
+        if section == "sft":
+            fields["steps"] = cfg.sft.steps_for(stage.removeprefix("sft-"))
+        return fingerprint(to_dict(fields))
 
     def rollout_semantics(self, section: SamplerSection) -> Fingerprint:
         """What recorded traces mean: GRPO refuses to continue from traces sampled otherwise."""

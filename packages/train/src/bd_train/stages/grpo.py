@@ -67,6 +67,7 @@ def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int 
                        "clip_fraction_first_update": first["clip_fraction"], **out.metrics()}
 
     spec = StageSpec("grpo", "student", "GRPO", total,
-                     {"identity": identity, "rollout": run.rollout_semantics(section.sampler)},
+                     {"identity": identity, "rollout": run.rollout_semantics(section.sampler),
+                      "training": run.training("grpo")},
                      optimizer.learning_rate_schedule(), GRPO_CURVES, keys["eval"], mesh, section.updates_per_rollout)
     return drive(run, spec, state, step_fn, prompts, fail_after=fail_after)

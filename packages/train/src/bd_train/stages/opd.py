@@ -62,6 +62,7 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
         state, metrics = trainer.step(state, on_mesh(DistillationBatch(replay.batch, logits), mesh))
         return state, {**metrics, **out.metrics()}
 
-    spec = StageSpec("opd", "student", "OPD", section.steps, {"identity": identity},
-                     optimizer.learning_rate_schedule(), OPD_CURVES, keys["eval"], mesh)
+    pinned = {"identity": identity, "teacher": teacher.fingerprint, "training": run.training("opd")}
+    spec = StageSpec("opd", "student", "OPD", section.steps, pinned, optimizer.learning_rate_schedule(), OPD_CURVES,
+                     keys["eval"], mesh)
     return drive(run, spec, state, step_fn, prompts, fail_after=fail_after)
