@@ -74,7 +74,10 @@ def test_opd_and_grpo_run_sharded_with_exact_replay(stages):
 
 def test_two_processes_run_every_stage_like_one(stages):
     """Rollouts sampled over the global mesh, teacher and reference scoring, rewards and updates:
-    each process of the group reports the single-process run's numbers, stage by stage."""
+    each process of the group reports the single-process run's numbers, stage by stage. The group
+    sums across processes through gloo, in another order than one process does, and Adam carries
+    that rounding on: the first update agrees to rtol 2e-5, and later ones to rtol 1e-4 (measured
+    on an AMD EPYC host: 2.6e-5 at update 43 of 60 of the student's SFT grad_norm)."""
     results, _, group, outputs, group_dir = stages
     for proc, output in zip(group, outputs):
         assert proc.returncode == 0, output[-4000:]
@@ -85,9 +88,10 @@ def test_two_processes_run_every_stage_like_one(stages):
             assert got[stage]["step"] == want[stage]["step"]
             assert [r["step"] for r in got[stage]["history"]] == [r["step"] for r in want[stage]["history"]]
             for key in want[stage]["history"][0]:
-                np.testing.assert_allclose([r[key] for r in got[stage]["history"]],
-                                           [r[key] for r in want[stage]["history"]], rtol=2e-5, atol=1e-6,
-                                           err_msg=f"{stage} {key} (process {index})")
+                mine, reference = ([r[key] for r in rows[stage]["history"]] for rows in (got, want))
+                where = f"{stage} {key} (process {index})"
+                np.testing.assert_allclose(mine[0], reference[0], rtol=2e-5, atol=1e-6, err_msg=where)
+                np.testing.assert_allclose(mine, reference, rtol=1e-4, atol=1e-6, err_msg=where)
             assert got[stage]["evaluation"] == pytest.approx(want[stage]["evaluation"], rel=1e-6)
             assert got[stage]["samples"] == want[stage]["samples"]
     grpo = json.loads((group_dir / "stages-0.json").read_text())["grpo"]["history"]
