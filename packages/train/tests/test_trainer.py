@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from bd_core import DiffusionTokenBatch
+from bd_core import DiffusionTokenBatch, WeightedMetric
 from bd_models import BlockDiffusionLM, ModelConfig, make_mesh, shard_batch, shard_model
 from bd_train import (
     NonFiniteError,
@@ -88,6 +88,25 @@ def test_zero_weights_give_zero_gradients_and_no_update(toy_model, batch_factory
     new_state, metrics = trainer.step(state, empty)
     assert float(metrics["update_applied"]) == 0.0 and float(metrics["nonfinite"]) == 0.0
     assert int(new_state.step) == 1
+    assert eqx.tree_equal((new_state.params, new_state.opt_state), (state.params, state.opt_state))
+
+
+@pytest.mark.parametrize("settings", [{"eps": 1e-6}, {"min_denom": 1.0}])
+def test_an_update_without_tokens_is_skipped_whatever_the_losss_eps(toy_model, batch_factory, settings):
+    """A loss with eps (or min_denom) has a positive effective denominator even with no tokens;
+    the update must still be skipped (it used to move AdamW's parameters by weight decay)."""
+    model, batch = toy_model(key=jax.random.key(4)), batch_factory(3, rows=8)
+    empty = DiffusionTokenBatch.create(batch.layout, batch.targets, jnp.zeros_like(batch.weights),
+                                       jnp.zeros_like(batch.denom_weights))
+
+    def loss_fn(model, batch, key):
+        loss = sft_objective(model, batch, key).loss.total()
+        return WeightedMetric(loss.numerator, loss.denominator, **settings)
+
+    trainer = Trainer(loss_fn, make_optimizer(OptimizerConfig(learning_rate=1e-2, weight_decay=0.1)))
+    state = trainer.init(model, key=jax.random.key(0))
+    new_state, metrics = trainer.step(state, empty)
+    assert float(metrics["update_applied"]) == 0.0
     assert eqx.tree_equal((new_state.params, new_state.opt_state), (state.params, state.opt_state))
 
 

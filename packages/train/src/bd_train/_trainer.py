@@ -157,7 +157,7 @@ class Trainer:
         loss = total.compute()
         finite = jnp.isfinite(loss) & _all_finite(grads)
         grad_norm = optax.tree.norm(grads)
-        nonempty = total.effective_denominator() > 0
+        nonempty = total.denominator > 0  # the tokens counted, before a loss's eps / min_denom
         apply_update = finite & nonempty
 
         grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, params)

@@ -57,7 +57,8 @@ def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int 
                        reward=run.reward, key=jax.random.fold_in(keys["rollout"], step), mesh=mesh)
         replay = build_replay(out.rollout, mask_id=run.tokenizer.mask_id, num_views=replay_capacity(sampler))
         ref_logp = None if reference is None else _reference_logprobs(reference, replay.batch, sampler.distribution)
-        advantages = compute_advantages(out.rewards.astype(np.float32), group, section.advantage)
+        advantages = compute_advantages(out.rewards.astype(np.float32), group, section.advantage,
+                                        eps=grpo.advantage_eps)
         grpo_batch = on_mesh(GRPOBatch(replay.batch, replay.recorded_logprobs, advantages, ref_logp), mesh)
         state, first = trainer.step(state, grpo_batch)
         metrics = first
