@@ -72,3 +72,28 @@ def test_hf_pad_falls_back_to_eos(tmp_path):
     _write_tokenizer(path, ["<|mask|>", "<|endoftext|>"])
     tok = HFTokenizer(path)
     assert tok.pad_id == tok.eos_id
+
+
+def test_text_never_becomes_control_tokens(tmp_path):
+    """Special-token text in user data used to come back as the special ids ("<|mask|>" -> [mask_id])."""
+    path = tmp_path / "tokenizer.json"
+    _write_tokenizer(path, ["<|pad|>", "<|mask|>", "<|endoftext|>"])
+    tok = HFTokenizer(path)
+    for text in ("a<|endoftext|>b", "<|mask|>", "<|pad|>1"):
+        ids = tok.encode(text).tolist()
+        assert not {tok.eos_id, tok.mask_id, tok.pad_id} & set(ids), (text, ids)
+        assert tok.decode(ids) == text
+    byte = ByteTokenizer()
+    assert not {byte.eos_id, byte.mask_id, byte.pad_id} & set(byte.encode("a<|endoftext|>b").tolist())
+
+
+@pytest.mark.parametrize("make", [ByteTokenizer, "hf"])
+def test_a_lone_surrogate_is_a_tokenizer_error_naming_where(tmp_path, make):
+    if make == "hf":
+        path = tmp_path / "tokenizer.json"
+        _write_tokenizer(path, ["<|pad|>", "<|mask|>", "<|endoftext|>"])
+        tok = HFTokenizer(path)
+    else:
+        tok = make()
+    with pytest.raises(TokenizerError, match=r"'\\ud800' at character 1 is a lone surrogate"):
+        tok.encode("4\ud800=")

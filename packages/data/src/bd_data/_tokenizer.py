@@ -35,6 +35,16 @@ class Tokenizer(Protocol):
     def decode(self, ids, *, stop_at_eos: bool = True) -> str: ...
 
 
+def _utf8(text: str) -> bytes:
+    """The text's UTF-8 bytes; text that has none (a lone surrogate, e.g. from a JSON `\\ud800`
+    escape) is a `TokenizerError` naming the position."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise TokenizerError(f"text has no UTF-8 form: {text[err.start:err.end]!r} at character {err.start} is a lone "
+                             f"surrogate; fix the data (a JSON escape such as \\ud800 without its pair)") from None
+
+
 def _cut(ids, eos_id: int, stop_at_eos: bool) -> list[int]:
     ids = [int(i) for i in np.asarray(ids).reshape(-1)]
     if stop_at_eos and eos_id in ids:
@@ -80,7 +90,7 @@ class ByteTokenizer:
         return "bytes-v1+bos" if self.with_bos else "bytes-v1"
 
     def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+        return np.frombuffer(_utf8(text), dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids, *, stop_at_eos: bool = True) -> str:
         kept = bytes(i for i in _cut(ids, self.EOS, stop_at_eos) if 0 <= i < 256)
@@ -112,6 +122,9 @@ class HFTokenizer:
             self._tok = _HF.from_str(raw.decode("utf-8"))
         except Exception as err:  # tokenizers raises its own exception type for malformed files
             raise TokenizerError(f"tokenizer file {str(path)!r} is not a valid tokenizer.json: {err}") from err
+        # Text is text: "<|endoftext|>" written in a data file is encoded as its characters, never as
+        # the special id (special ids come only from the canvas).
+        self._tok.encode_special_tokens = True
         self.path = path
         self._digest = hashlib.sha256(raw).hexdigest()[:16]
         self._mask = self._require(mask_token, "mask_token", path)
@@ -149,6 +162,7 @@ class HFTokenizer:
         return f"hf-{self._digest}"
 
     def encode(self, text: str) -> np.ndarray:
+        _utf8(text)
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
     def decode(self, ids, *, stop_at_eos: bool = True) -> str:
