@@ -107,8 +107,9 @@ class BDPipeline(FlowSpec):
 
     @step
     def start(self):
-        from bd_train.stages import RunDir
+        from bd_train.stages import RunDir, check_adopted
 
+        _stage_call(check_adopted, self.config)  # before anything trains
         self.where = RunDir.create(self.config, run_id=str(current.origin_run_id or current.run_id))
         print(f"run folder: {self.where.run_dir}")
         self.roles = ["teacher", "student"]

@@ -2,7 +2,7 @@
 
 One run is made to fail inside GRPO (after a checkpoint) and is finished by `resume`: that run
 proves the whole flow, the W&B offline logs, the cards and resume at once. A second run adopts a
-teacher checkpoint with another block size and must fail closed at the join.
+teacher checkpoint with another block size and must fail closed at the start, before anything trains.
 """
 
 import base64
@@ -124,7 +124,7 @@ def test_first_grpo_update_has_ratio_one(resumed_run):
         assert row["clip_fraction_first_update"] == 0.0
 
 
-def test_teacher_with_another_block_size_fails_closed_at_the_join(tmp_path, flow_runs):
+def test_teacher_with_another_block_size_fails_closed_at_the_start(tmp_path, flow_runs):
     # A real SFT checkpoint of a teacher trained with block size 8.
     text = SMOKE.read_text().replace("block_size = 4", "block_size = 8")
     other = Run(parse_pipeline_config(text))
@@ -139,5 +139,6 @@ def test_teacher_with_another_block_size_fails_closed_at_the_join(tmp_path, flow
                 config=[("config", str(preset))]).run(max_workers=2) as running:
         assert running.status == "failed"
         log = running.stdout + running.stderr
-    assert "/join/" in log and "block_size: saved 8, current 4" in log, log[-3000:]
-    assert "The teacher must use the student's tokenizer, block size and canvas" in log
+    assert "/start/" in log and "block_size: saved 8, current 4" in log, log[-3000:]  # before any training
+    assert "/sft/" not in log
+    assert "The teacher must use the config's tokenizer, block size and canvas" in log

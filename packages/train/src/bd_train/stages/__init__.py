@@ -28,6 +28,7 @@ from ._rollout import roll_out as roll_out
 from ._run import Run as Run
 from ._run import RunDir as RunDir
 from ._run import StageError as StageError
+from ._run import check_adopted as check_adopted
 from ._run import check_distillation_pair as check_distillation_pair
 from ._summary import format_summary as format_summary
 from ._summary import print_summary as print_summary

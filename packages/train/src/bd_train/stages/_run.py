@@ -269,6 +269,20 @@ def saved_identity(directory: str | Path) -> Fingerprint:
     return fingerprints["identity"]
 
 
+def check_adopted(config: Any) -> None:
+    """Before anything trains: every checkpoint the config adopts (`[teacher]/[student] checkpoint`)
+    must share the config's tokens and blocks, or the run is refused now, naming each field."""
+    run = Run(config)
+    for role in ROLES:
+        directory = getattr(run.config, role).checkpoint
+        if directory:
+            try:
+                require_compatible(saved_identity(directory), run.identity("student"), SHARED_IDENTITY_KEYS,
+                                   context=f"{role} checkpoint {directory} vs this config")
+            except FingerprintMismatch as err:
+                raise StageError(f"{err}\nThe {role} must use the config's tokenizer, block size and canvas.") from None
+
+
 def check_distillation_pair(teacher: StageResult, student: StageResult) -> None:
     """Teacher and student must share tokens and blocks (not the architecture) to distill."""
     try:
