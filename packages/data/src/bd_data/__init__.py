@@ -1,9 +1,15 @@
 """bd_data: tokenizers, verifiable tasks, the block-aligned canvas, masking corruption and grain pipelines.
 
 Produces numpy `bd_core.DiffusionTokenBatch`es in the SFT layout and left-padded prompt batches
-for rollouts. Depends on bd_core, numpy, grain and tokenizers.
+for rollouts. Tasks (`get_task(name, seed=..., **params)`, train/eval splits that share no prompt,
+bounded-time rewards): sort, argsort, addition, addition_lsd; countdown, mini_sudoku, chain_sum
+from reasoning-gym in compact prompts; math, the user's JSONL scored by math-verify. Depends on
+bd_core, numpy, grain, tokenizers, reasoning-gym and math-verify.
 """
 
+from ._bounded_verify import VerifyWorkerError as VerifyWorkerError
+from ._bounded_verify import start_verify_worker as start_verify_worker
+from ._bounded_verify import verify_math as verify_math
 from ._canvas import Canvas as Canvas
 from ._canvas import CanvasConfig as CanvasConfig
 from ._canvas import CanvasOverflow as CanvasOverflow
@@ -19,19 +25,28 @@ from ._jsonl import JsonlError as JsonlError
 from ._jsonl import JsonlSource as JsonlSource
 from ._jsonl import OverlongReport as OverlongReport
 from ._jsonl import load_jsonl as load_jsonl
+from ._math_task import MathTask as MathTask
 from ._pipeline import PromptBatch as PromptBatch
 from ._pipeline import iterate as iterate
 from ._pipeline import prompt_dataset as prompt_dataset
 from ._pipeline import sft_dataset as sft_dataset
+from ._rg_tasks import ChainSumTask as ChainSumTask
+from ._rg_tasks import CountdownTask as CountdownTask
+from ._rg_tasks import MiniSudokuTask as MiniSudokuTask
+from ._rg_tasks import ReasoningGymTask as ReasoningGymTask
+from ._safe_arith import ArithmeticRejected as ArithmeticRejected
+from ._safe_arith import evaluate_arithmetic as evaluate_arithmetic
+from ._task import PARTIAL_CREDIT as PARTIAL_CREDIT
+from ._task import GeneratedTask as GeneratedTask
+from ._task import Task as Task
+from ._task import TaskSource as TaskSource
 from ._tasks import DEFAULT_TASK as DEFAULT_TASK
-from ._tasks import PARTIAL_CREDIT as PARTIAL_CREDIT
 from ._tasks import TASKS as TASKS
 from ._tasks import AdditionLSDTask as AdditionLSDTask
 from ._tasks import AdditionTask as AdditionTask
 from ._tasks import ArgsortTask as ArgsortTask
+from ._tasks import PatternTask as PatternTask
 from ._tasks import SortTask as SortTask
-from ._tasks import Task as Task
-from ._tasks import TaskSource as TaskSource
 from ._tasks import get_task as get_task
 from ._tokenizer import ByteTokenizer as ByteTokenizer
 from ._tokenizer import HFTokenizer as HFTokenizer

@@ -1,14 +1,15 @@
 """User data from JSONL: one `{"prompt": ..., "completion": ...}` object per line.
 
-Every error names the file and the line. Over-long examples (measured with the tokenizer against
-the canvas) raise by default; `truncate` and `skip` are counted and reported.
+Every error names the file and the line (`read_records` reads other field sets the same way).
+Over-long examples (measured with the tokenizer against the canvas) raise by default; `truncate`
+and `skip` are counted and reported.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ._canvas import OVERLONG_POLICIES, CanvasConfig, CanvasOverflow, fit_to_canvas
@@ -58,7 +59,7 @@ class JsonlSource(Sequence):
         return self.examples[index]
 
 
-def _record(path: Path, number: int, raw: bytes) -> tuple[str, str] | None:
+def _record(path: Path, number: int, raw: bytes, fields: tuple[str, ...]) -> tuple[str, ...] | None:
     where = f"{path}:{number}"
     try:
         line = raw.decode("utf-8")
@@ -75,18 +76,29 @@ def _record(path: Path, number: int, raw: bytes) -> tuple[str, str] | None:
     except RecursionError:
         raise JsonlError(f"{where}: invalid JSON (nested too deeply); each line must be one flat JSON object") from None
     if not isinstance(record, dict):
-        raise JsonlError(f"{where}: expected a JSON object with fields {list(FIELDS)}, got {type(record).__name__}")
+        raise JsonlError(f"{where}: expected a JSON object with fields {list(fields)}, got {type(record).__name__}")
     values = []
-    for field in FIELDS:
+    for field in fields:
         if field not in record:
-            raise JsonlError(f"{where}: missing field {field!r}; every record needs {list(FIELDS)}")
+            raise JsonlError(f"{where}: missing field {field!r}; every record needs {list(fields)}")
         value = record[field]
         if not isinstance(value, str):
             raise JsonlError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
         if not value.strip():
             raise JsonlError(f"{where}: field {field!r} is empty; remove the record or give it text")
         values.append(value)
-    return values[0], values[1]
+    return tuple(values)
+
+
+def read_records(path: Path, fields: tuple[str, ...] = FIELDS) -> Iterator[tuple[int, tuple[str, ...]]]:
+    """(line number, the string `fields`) of each non-blank line; errors name the file and line."""
+    if not path.is_file():
+        raise JsonlError(f"{path}: no such file; pass the path of a JSONL file with {list(fields)} per line")
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            record = _record(path, number, raw.rstrip(b"\r\n"), fields)
+            if record is not None:
+                yield number, record
 
 
 def load_jsonl(path: str | Path, *, tokenizer: Tokenizer | None = None, canvas: CanvasConfig | None = None,
@@ -100,30 +112,23 @@ def load_jsonl(path: str | Path, *, tokenizer: Tokenizer | None = None, canvas: 
         raise ValueError("load_jsonl: pass both tokenizer= and canvas= (to check lengths) or neither")
     if overlong != "error" and canvas is None:
         raise ValueError(f"load_jsonl overlong={overlong!r} needs tokenizer= and canvas= to measure lengths")
-    if not path.is_file():
-        raise JsonlError(f"{path}: no such file; pass the path of a JSONL file with {list(FIELDS)} per line")
     examples, lines, truncated, skipped = [], [], [], []
-    with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            record = _record(path, number, raw.rstrip(b"\r\n"))
-            if record is None:
+    for number, (prompt, completion) in read_records(path):
+        prompt_ids = answer_ids = None
+        if canvas is not None:
+            assert tokenizer is not None  # checked above: tokenizer= and canvas= come together
+            try:
+                fitted = fit_to_canvas(tokenizer.encode(prompt), tokenizer.encode(completion), canvas, overlong)
+            except CanvasOverflow as err:
+                raise JsonlError(f"{path}:{number}: {err}; or load with overlong='truncate' or 'skip'") from None
+            if fitted is None:
+                skipped.append(number)
                 continue
-            prompt, completion = record
-            prompt_ids = answer_ids = None
-            if canvas is not None:
-                assert tokenizer is not None  # checked above: tokenizer= and canvas= come together
-                try:
-                    fitted = fit_to_canvas(tokenizer.encode(prompt), tokenizer.encode(completion), canvas, overlong)
-                except CanvasOverflow as err:
-                    raise JsonlError(f"{path}:{number}: {err}; or load with overlong='truncate' or 'skip'") from None
-                if fitted is None:
-                    skipped.append(number)
-                    continue
-                prompt_ids, answer_ids, was_truncated = fitted
-                if was_truncated:
-                    truncated.append(number)
-            examples.append(Example(prompt, completion, len(examples), prompt_ids, answer_ids))
-            lines.append(number)
+            prompt_ids, answer_ids, was_truncated = fitted
+            if was_truncated:
+                truncated.append(number)
+        examples.append(Example(prompt, completion, len(examples), prompt_ids, answer_ids))
+        lines.append(number)
     if not examples:
         raise JsonlError(
             f"{path}: no usable records ({len(skipped)} skipped as over-long); the file needs at least one")

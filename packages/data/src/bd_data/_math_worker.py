@@ -1,0 +1,43 @@
+"""The math-verify worker process, run by path (never imported): `_bounded_verify` owns it.
+
+Reads one JSON `[gold, answer]` per stdin line and writes `1` or `0` per line after `ready`; the
+parent kills it when an answer overruns its deadline. Its memory is capped so a blow-up fails here.
+"""
+
+import json
+import logging
+import sys
+from functools import lru_cache
+
+MEMORY_LIMIT = 4 << 30  # bytes of address space
+
+
+def main() -> None:
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+    except (ImportError, ValueError, OSError):  # not every platform enforces or allows it
+        pass
+    logging.disable(logging.CRITICAL)  # math-verify warns that its own timeouts are off: they are ours
+    from math_verify import parse, verify
+
+    def parsed(text: str) -> list:
+        # A bare answer like `\sqrt{2}` holds no delimiters for the extractors: read it as inline math.
+        return parse(text, parsing_timeout=None) or parse(f"${text}$", parsing_timeout=None)  # type: ignore[arg-type]
+
+    parsed_gold = lru_cache(maxsize=4096)(parsed)
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    for line in sys.stdin:
+        try:
+            gold, answer = json.loads(line)
+            ok = bool(verify(parsed_gold(gold), parsed(answer), timeout_seconds=None))
+        except Exception:  # a parse or comparison that fails is a wrong answer, never a crash
+            ok = False
+        sys.stdout.write("1\n" if ok else "0\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
