@@ -21,6 +21,7 @@ from ._plots import trace_png, trace_text
 from ._rollout import roll_out
 
 if TYPE_CHECKING:
+    from ._config import SamplerSection
     from ._run import Run
 
 
@@ -50,13 +51,13 @@ class Evaluation:
                 "nfe_per_token": self.nfe_per_token, "generated_tokens": self.generated_tokens}
 
 
-def evaluate(model: Any, run: Run, *, key: jax.Array, title: str = "",
-             mesh: jax.sharding.Mesh | None = None) -> Evaluation:
-    """Decoding of `[eval] n` held-out prompts with `[eval] sampler` in fixed-size batches (rounded
-    up to a multiple of the mesh's data shards; short batches are padded)."""
+def evaluate(model: Any, run: Run, *, key: jax.Array, title: str = "", mesh: jax.sharding.Mesh | None = None,
+             sampler: SamplerSection | None = None) -> Evaluation:
+    """Decoding of `[eval] n` held-out prompts with `[eval] sampler` (or `sampler`) in fixed-size
+    batches (rounded up to a multiple of the mesh's data shards; short batches are padded)."""
     cfg = run.config
     section = cfg.eval
-    sampler = run.sampler_config(section.sampler)
+    sampler_config = run.sampler_config(section.sampler if sampler is None else sampler)
     source = run.source("eval")
     examples = [source[i] for i in range(min(section.n, len(source)))]
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
@@ -72,8 +73,8 @@ def evaluate(model: Any, run: Run, *, key: jax.Array, title: str = "",
             fill = batch_size - len(batch.examples)
             tokens = np.concatenate([tokens, np.repeat(tokens[:1], fill, 0)])
             valid = np.concatenate([valid, np.repeat(valid[:1], fill, 0)])
-        out = roll_out(model, (tokens, valid), batch.examples, sampler, tokenizer=run.tokenizer, reward=run.reward,
-                       key=jax.random.fold_in(key, i), mesh=mesh)
+        out = roll_out(model, (tokens, valid), batch.examples, sampler_config, tokenizer=run.tokenizer,
+                       reward=run.reward, key=jax.random.fold_in(key, i), mesh=mesh)
         rewards.extend(out.rewards.tolist())
         nfe.extend(out.nfe.tolist())
         generated.extend(out.generated.tolist())  # rows stop after their stop block

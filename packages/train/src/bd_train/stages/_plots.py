@@ -94,3 +94,19 @@ def trace_text(tokenizer: Any) -> Callable[[int], str]:
         decoded = tokenizer.decode([token], stop_at_eos=False)
         return decoded if decoded.isprintable() and decoded.strip() else "·"
     return text
+
+
+def accuracy_nfe_png(points: Sequence[Mapping[str, float | str]], *, title: str) -> bytes:
+    """Held-out accuracy against NFE per generated token, one labelled point per decoding setting."""
+    plt, fig = _figure(4.2, 3.2)
+    ax = fig.add_subplot(1, 1, 1)
+    xs, ys = [float(p["nfe_per_token"]) for p in points], [float(p["accuracy"]) for p in points]
+    ax.plot(xs, ys, "o-", lw=1.5)
+    for p, x, y in zip(points, xs, ys):
+        ax.annotate(str(p["decoding"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("NFE per generated token", fontsize=8)
+    ax.set_ylabel("accuracy", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+    ax.set_title(title, fontsize=9)
+    return _png(plt, fig)

@@ -1,0 +1,65 @@
+"""`bd_train.evaluate` on a checkpoint the smoke preset's student SFT writes: the same numbers on
+every evaluation, pass@k equal to a brute-force count, and one clear message for a bad folder."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from bd_train.evaluate import evaluate, pass_at_k
+from bd_train.stages import RunDir, parse_pipeline_config, run_sft
+
+SMOKE = Path(__file__).resolve().parents[3] / "flows" / "configs" / "smoke.toml"
+
+
+@pytest.mark.parametrize("n, c, k", [(n, c, k) for n in range(1, 7) for c in range(n + 1) for k in range(1, n + 1)])
+def test_pass_at_k_is_the_chance_that_k_of_n_samples_hold_a_correct_one(n, c, k):
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(samples, k))
+    assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets), abs=1e-12)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("evaluate")
+    data = tomllib.loads(SMOKE.read_text())
+    data["run"]["output_dir"] = str(folder)
+    config = parse_pipeline_config(data)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_MODE", "offline")
+        patch.setenv("BDLM_PROGRESS", "0")
+        return run_sft(config, RunDir.create(config, run_id="eval"), role="student").checkpoint_dir
+
+
+def test_the_same_checkpoint_gives_the_same_numbers(checkpoint):
+    first, second = (evaluate(checkpoint, samples=4, n=8, thresholds=(0.5, 0.9)) for _ in range(2))
+    for report in (first, second):
+        for point in report["accuracy_vs_nfe"]:
+            assert point.pop("tokens_per_second") > 0
+    assert first == second
+    assert set(first["pass_at_k"]) == {"pass@1", "pass@2", "pass@4"}
+    assert first["greedy"]["n"] == 8 and [p["decoding"] for p in first["accuracy_vs_nfe"]] == [
+        "τ 0.5", "τ 0.9", "one per step"]
+    one_per_step = first["accuracy_vs_nfe"][-1]
+    assert one_per_step["nfe_per_token"] >= max(p["nfe_per_token"] for p in first["accuracy_vs_nfe"][:-1])
+
+
+def test_the_command_writes_json_and_a_plot_and_refuses_a_bad_folder_in_one_line(checkpoint, tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    out = tmp_path / "eval.json"
+    done = subprocess.run([sys.executable, "-m", "bd_train.evaluate", "--checkpoint", checkpoint, "--n", "8",
+                           "--samples", "2", "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pass@2" in done.stdout and "one per step" in done.stdout
+    assert json.loads(out.read_text())["n"] == 8 and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    missing = subprocess.run([sys.executable, "-m", "bd_train.evaluate", "--checkpoint", str(tmp_path / "nope")],
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert f"checkpoint directory {tmp_path / 'nope'} does not exist" in missing.stderr
