@@ -71,7 +71,8 @@ def test_resume_continues_grpo_from_its_latest_checkpoint(resumed_run):
     _, run, origin = resumed_run
     grpo = run["grpo"].task.data.grpo_result
     steps = [row["step"] for row in grpo.history]
-    assert steps[0] == 4 and steps[-1] == 8, steps  # 4 rollouts x 2 updates, continued after update 2
+    assert steps == [2, 4, 6, 8], steps  # 4 rollouts x 2 updates; the curve keeps the one before the failure
+    assert grpo.step == 8
     assert origin in grpo.checkpoint_dir  # checkpoints live under the origin run: stable across resume
     assert run["sft"].task.origin_pathspec is not None  # finished steps were cloned, not rerun
 

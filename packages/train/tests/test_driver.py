@@ -75,12 +75,11 @@ def test_sigterm_saves_and_a_second_drive_continues_to_the_uninterrupted_result(
     assert signal.getsignal(signal.SIGTERM) == previous
     assert _saved_steps(run) == [4, 6]  # the periodic save, then the one on SIGTERM
     resumed = _drive(run)
-    assert [row["step"] for row in resumed.history] == [7, 8, 9, 10]
     assert resumed.evaluation is not None and resumed.evaluation.n == 16
 
     uninterrupted = _run(tmp_path_factory.mktemp("uninterrupted"))
     reference = _drive(uninterrupted)
-    assert [row["loss"] for row in reference.history][6:] == [row["loss"] for row in resumed.history]
+    assert resumed.history == reference.history  # the curves continue across the stop, row for row
     for got, want in zip(_final_params(run), _final_params(uninterrupted)):
         np.testing.assert_array_equal(got, want)
     assert resumed.evaluation.metrics() == reference.evaluation.metrics()
@@ -91,7 +90,7 @@ def test_fail_after_stops_right_after_a_saved_step_once(run):
         _drive(run, fail_after=3)
     assert _saved_steps(run) == [3]
     resumed = _drive(run, fail_after=3)  # started at step 3: the failure is behind it
-    assert [row["step"] for row in resumed.history] == list(range(4, TOTAL + 1))
+    assert [row["step"] for row in resumed.history] == list(range(1, TOTAL + 1))
 
 
 def test_a_resume_under_changed_training_settings_is_refused_by_field(run, tmp_path):

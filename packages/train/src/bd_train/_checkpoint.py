@@ -255,9 +255,10 @@ class Checkpointer:
     # -- save ----------------------------------------------------------------------------------------
 
     def save(self, state: TrainState, *, fingerprints: Mapping[str, Fingerprint] | None = None,
-             config: Any = None, data_iterator: Any = None, force: bool = False) -> int:
-        """Save `state` at its step; returns the step. `config` (a mapping or dataclass) is stored
-        whole in the JSON metadata."""
+             config: Any = None, data_iterator: Any = None, force: bool = False,
+             history: list[dict[str, Any]] | None = None) -> int:
+        """Save `state` at its step; returns the step. `config` (a mapping or dataclass) and the
+        metric `history` so far (JSON-ready rows) are stored whole in the JSON metadata."""
         if state.accumulator is not None and int(state.accumulator.count) != 0:
             raise CheckpointError("save: the state holds a partly accumulated update; save after a call with "
                                   "is_update_step=True")
@@ -269,6 +270,7 @@ class Checkpointer:
             "config": None if config is None else as_plain_dict(config, "save(config=...)"),
             "has_data_state": data_iterator is not None,
             "digests": _digests(_arrays_of(state)),
+            "history": history,
         }
         # Orbax refuses empty trees (e.g. plain SGD's optimizer state): such items are left out.
         items: dict[str, Any] = {name: ocp.args.StandardSave(tree) for name, tree in _arrays_of(state).items() if tree}

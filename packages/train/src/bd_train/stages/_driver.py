@@ -85,18 +85,19 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
     cfg = run.config
     directory = run.where.checkpoint_dir(spec.name)
     checkpoints = open_checkpoints(directory, create=True, max_to_keep=cfg.run.max_to_keep)
-    if checkpoints.latest_step() is not None:
+    history: list[dict[str, float | int]] = []
+    if checkpoints.latest_step() is not None:  # a resumed stage continues its state and its curves
         try:
             state = checkpoints.restore(state, fingerprints=spec.fingerprints, data_iterator=data)
+            history = list(checkpoints.read_meta().get("history") or [])
         except (FingerprintMismatch, CheckpointError) as err:
             raise StageError(f"{spec.name}: cannot continue from {directory}: {err}") from None
     start = int(state.step)
-    history: list[dict[str, float | int]] = []
 
     def save(state: TrainState, final: bool = True) -> None:
         if int(state.step) not in checkpoints.all_steps():
             checkpoints.save(state, fingerprints=spec.fingerprints, config=cfg.to_dict(), data_iterator=data,
-                             force=True)
+                             force=True, history=history)
             checkpoints.wait()
 
     with tracker_for(run, spec.name) as tracker:
