@@ -66,3 +66,14 @@ def test_overlong_policies(tmp_path):
         load_jsonl(path, overlong="skip")
     with pytest.raises(ValueError, match="overlong: expected one of"):
         load_jsonl(path, tokenizer=TOK, canvas=CANVAS, overlong="drop")
+
+
+@pytest.mark.parametrize("with_canvas", [True, False])
+def test_a_lone_surrogate_is_refused_naming_file_line_and_field(tmp_path, with_canvas):
+    """Python's json accepts "\\ud800"; the tokenizer used to fail on it later with no file or line."""
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "12=", "completion": "3"}\n{"prompt": "4\\ud800=", "completion": "1"}\n')
+    kwargs = dict(tokenizer=ByteTokenizer(), canvas=CanvasConfig(prompt_len=8, max_new_tokens=8, block_size=4)) \
+        if with_canvas else {}
+    with pytest.raises(JsonlError, match=rf"{path}:2: field 'prompt' holds '\\ud800' at character 1"):
+        load_jsonl(path, **kwargs)

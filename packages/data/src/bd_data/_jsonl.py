@@ -86,6 +86,11 @@ def _record(path: Path, number: int, raw: bytes, fields: tuple[str, ...]) -> tup
             raise JsonlError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
         if not value.strip():
             raise JsonlError(f"{where}: field {field!r} is empty; remove the record or give it text")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:  # JSON accepts a lone surrogate escape such as "\ud800"
+            raise JsonlError(f"{where}: field {field!r} holds {value[err.start:err.end]!r} at character {err.start}, "
+                             "a lone surrogate with no UTF-8 form; fix the escape (or remove the record)") from None
         values.append(value)
     return tuple(values)
 
