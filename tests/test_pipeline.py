@@ -98,7 +98,7 @@ def test_wandb_offline_logs_hold_the_stage_metrics(resumed_run):
     for stage, keys in by_stage.items():
         assert common <= keys, (stage, common - keys)
     assert {"kl", "teacher_agreement", "nfe_per_token"} <= by_stage["opd"]
-    assert {"reward_mean", "reward_std", "accuracy", "kl", "clip_fraction", "ratio_mean", "entropy",
+    assert {"reward_mean", "reward_std", "rollout_accuracy", "kl", "clip_fraction", "ratio_mean", "entropy",
             "nfe_per_token", "completion_length", "ratio_first_update"} <= by_stage["grpo"]
 
 

@@ -201,7 +201,7 @@ def test_eval_step_reduces_like_the_train_loss(toy_model, batch_factory):
     halves = [jax.tree.map(lambda x, s=s: x[s], batch) for s in (slice(0, 4), slice(4, 12))]
     both = Trainer(sft_objective, optax.sgd(0.1)).evaluate(model, halves, key=jax.random.key(0))
     np.testing.assert_allclose(both["loss"], metrics["loss"], rtol=1e-6)
-    np.testing.assert_allclose(both["accuracy"], metrics["accuracy"], rtol=1e-6)
+    np.testing.assert_allclose(both["token_accuracy"], metrics["token_accuracy"], rtol=1e-6)
 
 
 @pytest.mark.parametrize("mesh_shape", [(4, 2, 1), (2, 2, 2)])

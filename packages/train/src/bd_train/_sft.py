@@ -37,7 +37,7 @@ def sft_loss(logits: Float[Array, "B T V"], batch: DiffusionTokenBatch) -> LossO
         loss=WeightedMetric(jnp.sum(weights * ce), jnp.sum(batch.denom_weights.astype(jnp.float32))),
         aux={
             "ce": WeightedMetric(jnp.sum(ce), jnp.sum(counted)),
-            "accuracy": WeightedMetric(jnp.sum(correct.astype(jnp.float32)), jnp.sum(counted)),
+            "token_accuracy": WeightedMetric(jnp.sum(correct.astype(jnp.float32)), jnp.sum(counted)),
         },
     )
 

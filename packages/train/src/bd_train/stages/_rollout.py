@@ -39,7 +39,7 @@ class Rollouts:
         """The per-step rollout metrics a stage logs (rewards reduced in float32, as trained on)."""
         rewards = self.rewards.astype(np.float32)
         return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-                "accuracy": float(np.mean(rewards == 1.0)),
+                "rollout_accuracy": float(np.mean(rewards == 1.0)),
                 "completion_length": float(np.mean([len(t) for t in self.texts])),
                 "nfe_per_token": self.nfe_per_token, "tokens": float(self.generated.sum())}
 

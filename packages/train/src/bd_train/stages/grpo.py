@@ -21,7 +21,7 @@ from ._driver import StageResult, StageSpec, drive
 from ._rollout import on_mesh, roll_out
 from ._run import Run, RunDir
 
-GRPO_CURVES = ("reward_mean", "accuracy", "loss", "clip_fraction", "kl", "entropy")
+GRPO_CURVES = ("reward_mean", "rollout_accuracy", "loss", "clip_fraction", "kl", "entropy")
 
 
 @eqx.filter_jit
