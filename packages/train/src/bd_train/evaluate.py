@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from bd_core import ConfigError, Fingerprint
-from bd_data import PromptBatch, prompt_dataset
+from bd_data import CanvasOverflow, JsonlError, PromptBatch, TokenizerError, prompt_dataset
 from bd_models import ModelConfig
 
 from ._checkpoint import Checkpointer, CheckpointError
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--samples and --n must be at least 1")
     try:
         report = evaluate(args.checkpoint, task=args.task, samples=args.samples, n=args.n)
-    except (StageError, ConfigError) as err:
+    except (StageError, ConfigError, CanvasOverflow, JsonlError, TokenizerError) as err:
         print(f"bd_train.evaluate: {err}", file=sys.stderr)
         return 2
     print(format_report(report))
