@@ -4,6 +4,7 @@ checks, stray temp dirs, SIGTERM."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -148,9 +149,11 @@ def test_sigterm_saves_the_current_step_and_stops(tmp_path, toy_model, batch_fac
     assert signal.getsignal(signal.SIGTERM) == previous
 
 
-def _largest_data_file(directory, item: str = "model"):
-    files = [p for p in (directory / "0" / item).rglob("*") if p.is_file() and p.parent.name == "d"]
-    return max(files, key=lambda p: p.stat().st_size)
+def _array_files(directory, item: str = "model") -> list:
+    """The files that hold an item's array data (OCDBT data files), largest first."""
+    files = [p for p in (directory / item).rglob("*") if p.is_file() and p.parent.name == "d"
+             and p.parent.parent.name.startswith("ocdbt.process_")]
+    return sorted(files, key=lambda p: (-p.stat().st_size, p.name))
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
@@ -159,16 +162,16 @@ def test_damaged_files_are_refused_by_name_with_how_to_recover(tmp_path, damage)
     state = _real_state(TINY)
     with Checkpointer(tmp_path) as checkpoints:
         checkpoints.save(state)
-    path = _largest_data_file(tmp_path)
-    data = bytearray(path.read_bytes())
-    if damage == "flip":
-        for i in (len(data) // 3, len(data) // 2, 2 * len(data) // 3):
-            data[i] ^= 0x5A
-        path.write_bytes(bytes(data))
-    elif damage == "truncate":
-        path.write_bytes(bytes(data[: len(data) // 2]))
-    else:
-        path.unlink()
+    for path in _array_files(tmp_path / "0"):
+        data = bytearray(path.read_bytes())
+        if damage == "flip":
+            for i in (len(data) // 3, len(data) // 2, 2 * len(data) // 3):
+                data[i] ^= 0x5A
+            path.write_bytes(bytes(data))
+        elif damage == "truncate":
+            path.write_bytes(bytes(data[: len(data) // 2]))
+        else:
+            path.unlink()
     with Checkpointer(tmp_path, create=False) as checkpoints:
         with pytest.raises(CheckpointCorrupted) as err:
             checkpoints.restore(state)
@@ -177,8 +180,22 @@ def test_damaged_files_are_refused_by_name_with_how_to_recover(tmp_path, damage)
     message = str(err.value)
     assert f"checkpoint {tmp_path} step 0" in message and "Rerun the stage that wrote it" in message
     assert len(message.splitlines()) == 1
-    if damage == "flip":  # the digest names what no longer holds what was saved
-        assert "the content of model/" in message and "differs from what was saved" in message
+
+
+def test_content_that_differs_from_its_digest_is_named(tmp_path):
+    """Bytes that still read as arrays but are not what was saved: the digest names the array."""
+    state = _real_state(TINY)
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(state)
+    meta_file = tmp_path / "0" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["digests"]["model/embedding"] = "0" * 64  # as if the embedding's bytes had changed since the save
+    meta_file.write_text(json.dumps(meta))
+    with Checkpointer(tmp_path, create=False) as checkpoints:
+        with pytest.raises(CheckpointCorrupted, match=r"the content of model/embedding differs from what was saved"):
+            checkpoints.restore(state)
+        with pytest.raises(CheckpointCorrupted, match=r"model/embedding"):
+            checkpoints.restore_model(state.model)
 
 
 def test_an_earlier_step_is_offered_when_the_latest_is_damaged(tmp_path):
