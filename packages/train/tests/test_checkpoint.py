@@ -150,9 +150,10 @@ def test_sigterm_saves_the_current_step_and_stops(tmp_path, toy_model, batch_fac
 
 
 def _array_files(directory, item: str = "model") -> list:
-    """The files that hold an item's array data (OCDBT data files), largest first."""
-    files = [p for p in (directory / item).rglob("*") if p.is_file() and p.parent.name == "d"
-             and p.parent.parent.name.startswith("ocdbt.process_")]
+    """The files that hold an item's array data, largest first: OCDBT data files, both those each
+    process wrote (`ocdbt.process_<i>/d/`) and the merged B-tree at the item's root (`d/`), which
+    holds arrays small enough to be stored inline; which of them a restore reads varies by run."""
+    files = [p for p in (directory / item).rglob("*") if p.is_file() and p.parent.name == "d"]
     return sorted(files, key=lambda p: (-p.stat().st_size, p.name))
 
 
