@@ -50,6 +50,8 @@ def prompts(seed: int, batch: int = 4, length: int = 8):
     (dict(steps_per_block=2), "steps_per_block"),  # belongs to strategy='steps'
     (dict(strategy="steps", steps_per_block=5), "steps_per_block"),
     (dict(strategy="steps", max_steps_per_block=2), "max_steps_per_block"),
+    (dict(strategy="random", max_steps_per_block=2), "max_steps_per_block"),
+    (dict(strategy="random", steps_per_block=0), "steps_per_block"),
     (dict(stop_ids=(MASK,)), "stop_ids"),
 ])
 def test_config_errors_name_the_field(changes, field):
@@ -86,7 +88,7 @@ def test_config_holds_the_distribution_with_mask_and_pad_banned():
                                  top_k=5, top_p=0.9, strategy="threshold", threshold=0.25, steps_per_block=None,
                                  max_steps_per_block=None, confidence="probability", stop_ids=STOPS)
     assert cfg.replace(mask_id=29).banned_ids == (2, 29, PAD)  # the old mask id is samplable again
-    assert SamplingDistribution(temperature=0).greedy and not SamplingDistribution(temperature=0).untempered().greedy
+    assert SamplingDistribution(temperature=0).greedy and not SamplingDistribution(temperature=0).unfiltered().greedy
     assert distribution.with_banned((9, 2)).banned_ids == (2, 9)
 
 
@@ -239,6 +241,40 @@ def test_cached_sampling_equals_full_recompute(cfg):
     if cfg.strategy == "steps":  # 2 steps per block, 2 tokens each, for every generated block
         committed = np.asarray(cached.trace.committed).sum(-1)[np.asarray(cached.trace.step_valid)]
         assert np.all(committed == 2)
+
+
+@pytest.mark.parametrize("strategy", ["threshold", "steps"])
+def test_no_sampling_knob_changes_which_positions_commit(strategy):
+    """Confidence is scored under the model's own distribution: on the same canvas, temperature,
+    top-k and top-p change the sampled tokens but not the positions a confidence rule commits."""
+    extra = dict(steps_per_block=2) if strategy == "steps" else dict(threshold=0.3)
+    tokens, valid = prompts(12)
+    first_steps = []
+    for knobs in (dict(temperature=1.0), dict(temperature=0.3, top_k=4, top_p=0.5), dict(temperature=0.0)):
+        cfg = config(strategy=strategy, confidence="margin", stop_ids=(), **extra, **knobs)
+        out = sample(MODEL, (tokens, valid), cfg, key=jax.random.PRNGKey(12))
+        first_steps.append(np.asarray(out.trace.committed[:, 0]))
+    for other in first_steps[1:]:
+        np.testing.assert_array_equal(other, first_steps[0])
+
+
+def test_random_schedule_does_not_depend_on_the_model():
+    """`random` draws which positions commit from the key alone: other weights, other temperature,
+    same schedule; and each step commits its fixed count."""
+    cfg = config(strategy="random", steps_per_block=3, stop_ids=())  # counts per step: 2, 1, 1
+    tokens, valid = prompts(13)
+    out = sample(MODEL, (tokens, valid), cfg, key=jax.random.PRNGKey(13))
+    check_rollout(out, cfg, prefill=1)
+    other_model = BlockDiffusionLM(MODEL.config, key=jax.random.PRNGKey(14))
+    other = sample(other_model, (tokens, valid), cfg.replace(distribution=SamplingDistribution(temperature=0.5)),
+                   key=jax.random.PRNGKey(13))
+    np.testing.assert_array_equal(other.trace.committed, out.trace.committed)
+    assert not np.array_equal(other.completion_tokens, out.completion_tokens)
+    counts = np.asarray(out.trace.committed).sum(-1).reshape(len(tokens), -1, 3)
+    assert np.all(counts == [2, 1, 1])
+    recompute = sample(MODEL, (tokens, valid), cfg, key=jax.random.PRNGKey(13), use_cache=False)
+    np.testing.assert_array_equal(recompute.completion_tokens, out.completion_tokens)
+    assert cfg.exact_likelihood and not config().exact_likelihood
 
 
 def test_one_token_per_step_and_single_block_prompts():

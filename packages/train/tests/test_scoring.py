@@ -47,7 +47,7 @@ def rollout(cfg: SamplerConfig, seed: int):
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(temperature=st.floats(0.3, 1.5), top_k=st.none() | st.integers(2, 20), top_p=st.none() | st.floats(0.5, 0.95),
-       strategy=st.sampled_from(["threshold", "steps"]), threshold=st.floats(0.2, 0.95),
+       strategy=st.sampled_from(["threshold", "steps", "random"]), threshold=st.floats(0.2, 0.95),
        seed=st.integers(0, 2**16))
 def test_replayed_logprobs_equal_recorded(temperature, top_k, top_p, strategy, threshold, seed):
     extra = dict(threshold=threshold) if strategy == "threshold" else dict(steps_per_block=2)

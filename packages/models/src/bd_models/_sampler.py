@@ -99,17 +99,25 @@ class _Block(NamedTuple):
     nfe: Array  # [B]
 
 
-def _commit_set(conf, masked, step, config: SamplerConfig):
-    """Which masked positions to commit this step (`[B, b]`): the strategy, then the last-step rule."""
+def _commit_set(conf, masked, step, key, config: SamplerConfig):
+    """Which masked positions to commit this step (`[B, b]`): the strategy, then the last-step rule.
+    `random` ignores `conf`: its positions are a uniform draw of `counts[step]` among the masked
+    ones (the masked positions that come first in a uniform random permutation of the block)."""
     b = config.block_size
-    conf = jnp.where(masked, conf, -jnp.inf)
     if config.strategy == "threshold":
+        conf = jnp.where(masked, conf, -jnp.inf)
         best = jax.nn.one_hot(jnp.argmax(conf, axis=-1), b, dtype=bool)
         pick = (conf >= jnp.asarray(config.threshold, jnp.float32)) | best
     else:
         steps = config.steps_cap
         counts = jnp.asarray([b // steps + (i < b % steps) for i in range(steps)], jnp.int32)
-        rank = jnp.argsort(jnp.argsort(-conf, axis=-1, stable=True), axis=-1, stable=True)
+        if config.strategy == "random":
+            keys = jax.random.split(key, masked.shape[0])
+            priority = jax.vmap(lambda k: jax.random.permutation(k, b))(keys)  # distinct: no ties
+            order = jnp.where(masked, priority, b + jnp.arange(b))  # masked positions first
+        else:
+            order = jnp.where(masked, -conf, jnp.inf)
+        rank = jnp.argsort(jnp.argsort(order, axis=-1, stable=True), axis=-1, stable=True)
         pick = rank < counts[step]
     return masked & (pick | (step == config.steps_cap - 1))
 
@@ -133,10 +141,10 @@ def _generate(model, prompt_tokens, prompt_valid, key, config: SamplerConfig):
         distribution = config.distribution
         logp = distribution.logprobs(logits)
         tokens = jax.random.categorical(step_key, logp, axis=-1).astype(jnp.int32)
-        # a greedy distribution is one-hot: its confidence would always be 1, so greedy decoding
-        # scores confidence under the untempered distribution (same filters and bans)
-        conf_logp = distribution.untempered().logprobs(logits) if distribution.greedy else logp
-        commit = _commit_set(confidence(conf_logp, tokens, config.confidence), state.masked, state.step, config)
+        # one rule: confidence is the model's own (unfiltered, temperature-1) belief in the sampled
+        # token, so temperature, top-k and top-p change what is sampled, never how much commits
+        conf = confidence(distribution.unfiltered().logprobs(logits), tokens, config.confidence)
+        commit = _commit_set(conf, state.masked, state.step, jax.random.fold_in(step_key, 1), config)
         commit = commit & live[:, None]
         trace = _record(state.trace, j * cap + state.step, first_block + j, commit, tokens,
                         token_logprob(logp, tokens), live)

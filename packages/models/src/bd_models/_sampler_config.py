@@ -19,7 +19,7 @@ from bd_core import config_error
 
 from ._sampling_dist import SamplingDistribution
 
-STRATEGIES = ("threshold", "steps")
+STRATEGIES = ("threshold", "steps", "random")
 CONFIDENCE_RULES = ("probability", "margin", "entropy")
 OWNER = "SamplerConfig"
 # to_dict's keys, in this order: what fingerprints (`bd_train.rollout_semantics`) read
@@ -39,11 +39,21 @@ class SamplerConfig(eqx.Module):
     stored with `mask_id` and `pad_id` banned, so they are never sampled.
     Commit strategy per step: `threshold` commits every masked position whose confidence is >=
     `threshold` (at least the most confident one), for at most `max_steps_per_block` steps
-    (default `block_size`); `steps` commits `block_size / steps_per_block` positions per step
-    (default one per step). The last allowed step commits everything left. Confidence is the
-    sampled token's `probability`, the top-1 minus top-2 `margin`, or `entropy` as exp(-H); all lie
-    in [0, 1] (greedy decoding scores it at temperature 1). A row stops after the block that
-    contains one of `stop_ids`.
+    (default `block_size`); `steps` commits the `block_size / steps_per_block` most confident
+    positions per step (default one per step); `random` commits as many per step as `steps`, but
+    chosen uniformly at random among the masked positions, independently of the model. The last
+    allowed step commits everything left. Confidence is the sampled token's `probability`, the
+    top-1 minus top-2 `margin`, or `entropy` as exp(-H), all in [0, 1], always scored under the
+    model's own distribution (`SamplingDistribution.unfiltered`: temperature 1, no top-k/top-p), so
+    the sampling knobs change what is sampled, never how many positions commit. A row stops after
+    the block that contains one of `stop_ids`.
+
+    Which likelihood a trace has: under `random` the schedule (which positions commit at which
+    step) does not depend on the parameters, so log pi(trajectory) = `schedule_logprob` (a
+    constant) + the sum of the committed tokens' log-probs, and GRPO's importance ratio is the
+    exact trajectory ratio (`exact_likelihood`). Under `threshold` and `steps` which positions
+    commit depends on the parameters (and, for `threshold`, on draws that are then discarded), so
+    the sum of committed log-probs is a surrogate for the trajectory's log-probability.
 
     The run-time knobs (the distribution's numbers and `threshold`) are 0-d array leaves and
     everything else is static, so `eqx.filter_jit` compiles once per structure and traces the
@@ -89,7 +99,8 @@ class SamplerConfig(eqx.Module):
             raise config_error(OWNER, "threshold", threshold, "a number in [0, 1] (confidences lie in [0, 1])")
         # each strategy has its own step cap; the other one's must stay unset
         (steps_field, steps), (other_field, other) = (
-            (("steps_per_block", steps_per_block), ("max_steps_per_block", max_steps_per_block)) if strategy == "steps"
+            (("steps_per_block", steps_per_block), ("max_steps_per_block", max_steps_per_block))
+            if strategy in ("steps", "random")
             else (("max_steps_per_block", max_steps_per_block), ("steps_per_block", steps_per_block)))
         if other is not None:
             raise config_error(OWNER, other_field, other, f"None with strategy={strategy!r}",
@@ -128,9 +139,15 @@ class SamplerConfig(eqx.Module):
     @property
     def steps_cap(self) -> int:
         """The most denoising steps one block can take (the trace reserves this many per block)."""
-        if self.strategy == "steps":
+        if self.strategy in ("steps", "random"):
             return self.steps_per_block or self.block_size
         return self.max_steps_per_block or self.block_size
+
+    @property
+    def exact_likelihood(self) -> bool:
+        """Whether a trace's committed log-probs give its exact log-probability up to the
+        parameter-free `schedule_logprob` (the `random` strategy); otherwise they are a surrogate."""
+        return self.strategy == "random"
 
     @property
     def banned_ids(self) -> tuple[int, ...]:

@@ -2,7 +2,8 @@
 
 `SamplingDistribution` applies bans -> temperature -> top-k -> top-p (`sampling_logprobs`); the
 sampler samples from it and `token_logprobs` replays traces under it, which is what makes recorded
-and replayed log-probs agree. Also the confidence rules and the entropy of that distribution.
+and replayed log-probs agree. Also the confidence rules (scored under `unfiltered()`, the model's
+own distribution) and the entropy of that distribution.
 Shape letters: see bd_core (`*batch` any leading axes, V vocab).
 """
 
@@ -80,9 +81,10 @@ class SamplingDistribution(eqx.Module):
         return sampling_logprobs(logits, temperature=0 if self.greedy else self.temperature, top_k=self.top_k,
                                  top_p=self.top_p, banned_ids=self.banned_ids)
 
-    def untempered(self) -> SamplingDistribution:
-        """The same filters and bans at temperature 1 (how greedy decoding scores confidence)."""
-        return self._with(temperature=jnp.float32(1.0), greedy=False)
+    def unfiltered(self) -> SamplingDistribution:
+        """The model's own distribution: the same bans, at temperature 1, without top-k or top-p.
+        The sampler scores confidence under it, so no sampling knob changes which tokens commit."""
+        return self._with(temperature=jnp.float32(1.0), top_k=None, top_p=None, greedy=False)
 
     def with_banned(self, ids: Sequence[int]) -> SamplingDistribution:
         """The same distribution with `ids` banned too."""

@@ -134,7 +134,7 @@ class SamplerSection:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
-    strategy: Literal["threshold", "steps"] = "threshold"
+    strategy: Literal["threshold", "steps", "random"] = "threshold"  # "random": exact trajectory likelihood
     threshold: float = 0.9
     steps_per_block: int | None = None
     max_steps_per_block: int | None = None
