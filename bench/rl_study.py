@@ -19,6 +19,7 @@ import sys
 import time
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -39,6 +40,11 @@ def _config(base: dict, seed: int, output_dir: Path, grpo_sampler: dict | None):
     return parse_pipeline_config(data)
 
 
+def _metrics(result) -> dict[str, Any]:
+    assert result.evaluation is not None, f"{result.stage} was not evaluated"
+    return result.evaluation.metrics()
+
+
 def run_seed(base: dict, seed: int, output_dir: Path) -> dict:
     from bd_train.stages import RunDir, run_grpo, run_opd, run_sft
 
@@ -47,12 +53,12 @@ def run_seed(base: dict, seed: int, output_dir: Path) -> dict:
     teacher = run_sft(config, where, role="teacher")
     student = run_sft(config, where, role="student")
     opd = run_opd(config, where, teacher=teacher, student=student)
-    row = {name: result.evaluation.metrics() for name, result in
-           (("teacher", teacher), ("student_sft", student), ("student_opd", opd))}
+    row: dict[str, Any] = {name: _metrics(result) for name, result in
+                           (("teacher", teacher), ("student_sft", student), ("student_opd", opd))}
     for mode, sampler in MODES.items():
         grpo_config = _config(base, seed, output_dir, sampler)
         grpo = run_grpo(grpo_config, RunDir.create(grpo_config, run_id=f"seed{seed}-{mode}"), start=opd)
-        row[f"grpo_{mode}"] = grpo.evaluation.metrics()
+        row[f"grpo_{mode}"] = _metrics(grpo)
         row[f"grpo_{mode}_reward_curve"] = [h["reward_mean"] for h in grpo.history if "reward_mean" in h]
     return row
 
@@ -105,7 +111,7 @@ def plot(rows: dict[int, dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "flows" / "configs" / "default.toml"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--output-dir", default=str(ROOT / "runs" / "rl_study"))

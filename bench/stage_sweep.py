@@ -1,0 +1,101 @@
+"""OPD or GRPO settings against each other, from the same starting checkpoints of each seed.
+
+Reuses (or trains) the SFT and OPD checkpoints of `bench/rl_study.py`'s seed folders, then runs
+the stage once per variant — each a set of `[opd]` or `[grpo]` overrides — and prints the held-out
+accuracy (and for OPD the fraction of the teacher–student gap closed), per seed and as mean ± sd.
+Writes `bench/results/<stage>_sweep.json`.
+
+    python bench/stage_sweep.py opd [--seeds 0] [--variants base masked ...]
+    python bench/stage_sweep.py grpo [--seeds 0] [--variants base p128x4 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import ROOT, write_results  # noqa: E402
+
+OPD_VARIANTS = {
+    "base": {},
+    "masked": {"positions": "masked"},
+    "lr3e-3": {"optim": {"lr": 3e-3, "warmup_steps": 5}},
+    "masked_lr3e-3": {"positions": "masked", "optim": {"lr": 3e-3, "warmup_steps": 5}},
+    "greedy_rollouts": {"sampler": {"temperature": 0.0}},
+    "steps240": {"steps": 240},
+}
+GRPO_VARIANTS = {
+    "base": {},
+    "p128x4": {"prompts_per_step": 128, "group_size": 4},
+    "p128x4_lr3e-5": {"prompts_per_step": 128, "group_size": 4, "optim": {"lr": 3e-5}},
+    "lr3e-5": {"optim": {"lr": 3e-5}},
+    "t0.7": {"sampler": {"temperature": 0.7}},
+}
+VARIANTS = {"opd": OPD_VARIANTS, "grpo": GRPO_VARIANTS}
+
+
+def main() -> None:
+    from bd_train.stages import RunDir, parse_pipeline_config, run_grpo, run_opd, run_sft
+
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("stage", choices=list(VARIANTS))
+    parser.add_argument("--config", default=str(ROOT / "flows" / "configs" / "default.toml"))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--variants", nargs="+", default=None)
+    parser.add_argument("--output-dir", default=str(ROOT / "runs" / "rl_study"))
+    args = parser.parse_args()
+    variants = VARIANTS[args.stage]
+    names = args.variants or list(variants)
+    unknown = sorted(set(names) - set(variants))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; known for {args.stage}: {list(variants)}")
+    base = tomllib.loads(Path(args.config).read_text())
+    results: dict[str, dict[str, float]] = {}
+    start = time.perf_counter()
+    for seed in args.seeds:
+        data = json.loads(json.dumps(base))
+        data.setdefault("run", {}).update(seed=seed, output_dir=args.output_dir)
+        config = parse_pipeline_config(data)
+        where = RunDir.create(config, run_id=f"seed{seed}")  # rl_study's folder: SFT resumes when done
+        teacher = run_sft(config, where, role="teacher")
+        student = run_sft(config, where, role="student")
+        opd = run_opd(config, where, teacher=teacher, student=student) if args.stage == "grpo" else None
+        assert teacher.evaluation is not None and student.evaluation is not None
+        for name in names:
+            variant = json.loads(json.dumps(data))
+            section = variant.setdefault(args.stage, {})
+            for key, value in variants[name].items():
+                section[key] = {**section.get(key, {}), **value} if isinstance(value, dict) else value
+            vconfig = parse_pipeline_config(variant)
+            vwhere = RunDir.create(vconfig, run_id=f"seed{seed}-{args.stage}-{name}")
+            t0 = time.perf_counter()
+            if opd is None:
+                result = run_opd(vconfig, vwhere, teacher=teacher, student=student)
+                before = student.evaluation.accuracy
+            else:
+                result = run_grpo(vconfig, vwhere, start=opd)
+                assert opd.evaluation is not None
+                before = opd.evaluation.accuracy
+            assert result.evaluation is not None
+            closed = (result.evaluation.accuracy - student.evaluation.accuracy) / (
+                teacher.evaluation.accuracy - student.evaluation.accuracy)
+            results.setdefault(name, {})[str(seed)] = result.evaluation.accuracy
+            print(f"seed {seed} {args.stage} {name}: accuracy {before:.3f} -> {result.evaluation.accuracy:.3f} "
+                  f"(teacher {teacher.evaluation.accuracy:.3f}; the student now closes {closed:.2f} of the "
+                  f"SFT gap), {time.perf_counter() - t0:.0f} s", flush=True)
+    for name, per_seed in results.items():
+        values = np.asarray(list(per_seed.values()))
+        print(f"{name}: {values.mean():.3f} ± {values.std(ddof=1) if len(values) > 1 else 0:.3f}")
+    print(f"{time.perf_counter() - start:.0f} s in all")
+    write_results(f"{args.stage}_sweep", results)
+
+
+if __name__ == "__main__":
+    main()
