@@ -52,7 +52,7 @@ def wandb_runs(root: Path) -> list[dict]:
         for record in wandb_records(log):
             kind = record.WhichOneof("record_type")
             if kind == "run":
-                info.update(job_type=record.run.job_type, group=record.run.run_group)
+                info.update(job_type=record.run.job_type, group=record.run.run_group, run_id=record.run.run_id)
             elif kind == "history":
                 info["keys"] |= {item.key or "/".join(item.nested_key) for item in record.history.item}
         runs.append(info)
@@ -89,11 +89,16 @@ def test_summary_table_is_kept_and_written(resumed_run):
 def test_wandb_offline_logs_hold_the_stage_metrics(resumed_run):
     cwd, _, origin = resumed_run
     runs = wandb_runs(cwd)
-    by_stage = {}
+    by_stage, run_ids, attempts = {}, {}, {}
     for info in runs:
         assert info["group"] == origin
         by_stage.setdefault(info["job_type"], set()).update(info["keys"])
+        run_ids.setdefault(info["job_type"], set()).add(info["run_id"])
+        attempts[info["job_type"]] = attempts.get(info["job_type"], 0) + 1
     assert set(by_stage) == {"sft-teacher", "sft-student", "opd", "grpo"}
+    # the crashed GRPO attempt and its resume log into one W&B run; every stage has its own
+    assert attempts["grpo"] == 2 and all(len(ids) == 1 for ids in run_ids.values()), (attempts, run_ids)
+    assert len(set().union(*run_ids.values())) == 4
     common = {"loss", "grad_norm", "learning_rate", "tokens", "skipped_total", "eval/accuracy", "eval/mean_reward"}
     for stage, keys in by_stage.items():
         assert common <= keys, (stage, common - keys)

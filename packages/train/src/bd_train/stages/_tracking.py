@@ -1,11 +1,15 @@
 """W&B tracking: one run per pipeline stage, offline unless the user opts in.
 
 W&B writes caches and settings outside its `dir` unless every one of its folder variables points
-inside the run folder, so `Tracker` sets them all before `wandb.init`.
+inside the run folder, so `Tracker` sets them all before `wandb.init`. A stage's W&B run id is a
+digest of its folder, project, pipeline run and stage, so a resumed stage continues the same W&B
+run (offline, each attempt writes its own `offline-run-*` folder under that id; `wandb sync` of
+them all fills one run).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,8 +33,15 @@ def _scalar(value: Any) -> float | int | Any:
     return value
 
 
+def stage_run_id(root: str | Path, project: str, group: str, stage: str) -> str:
+    """The W&B run id of a stage: the same for every attempt of it (resume), distinct otherwise."""
+    digest = hashlib.sha256(f"{Path(root).resolve()}\n{project}\n{group}\n{stage}".encode()).hexdigest()
+    return f"bdlm-{digest[:24]}"
+
+
 class Tracker:
-    """A W&B run for one stage: `group` is the pipeline run, `job_type` the stage."""
+    """A W&B run for one stage: `group` is the pipeline run, `job_type` the stage, and the run id
+    `stage_run_id(...)`, so that a resumed stage logs into the run it started (`resume="allow"`)."""
 
     def __init__(self, *, root: str | Path, project: str, stage: str, group: str, config: Mapping[str, Any],
                  name: str | None = None, mode: str | None = None):
@@ -48,6 +59,7 @@ class Tracker:
         self._wandb = wandb
         self.run = wandb.init(
             project=project, group=group, job_type=stage, name=name or f"{group}-{stage}",
+            id=stage_run_id(self.dir, project, group, stage), resume="allow",
             config=dict(config), dir=str(self.dir), mode=self.mode, reinit="create_new",
         )
 
