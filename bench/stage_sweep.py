@@ -35,6 +35,7 @@ GRPO_VARIANTS = {
     "base": {},
     "p128x4": {"prompts_per_step": 128, "group_size": 4},
     "p128x4_lr3e-5": {"prompts_per_step": 128, "group_size": 4, "optim": {"lr": 3e-5}},
+    "p256x2_lr3e-5": {"prompts_per_step": 256, "group_size": 2, "optim": {"lr": 3e-5}},
     "lr3e-5": {"optim": {"lr": 3e-5}},
     "t0.7": {"sampler": {"temperature": 0.7}},
 }
