@@ -25,9 +25,9 @@ from _report import ROOT, write_results  # noqa: E402
 
 OPD_VARIANTS = {
     "base": {},
-    "masked": {"positions": "masked"},
+    "committed": {"positions": "committed"},
     "lr3e-3": {"optim": {"lr": 3e-3, "warmup_steps": 5}},
-    "masked_lr3e-3": {"positions": "masked", "optim": {"lr": 3e-3, "warmup_steps": 5}},
+    "lr3e-3_steps240": {"steps": 240, "optim": {"lr": 3e-3, "warmup_steps": 5}},
     "greedy_rollouts": {"sampler": {"temperature": 0.0}},
     "steps240": {"steps": 240},
 }
