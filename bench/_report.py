@@ -29,3 +29,15 @@ def write_section(name: str, body: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     MARKDOWN.write_text(text)
+
+
+def preset_data(base: dict, *, seed: int, output_dir: str | Path, **sections: dict) -> dict:
+    """A copy of a preset's TOML data with `[run] seed/output_dir` set and each `sections[name]`
+    merged into `[name]` (a dict value merges into the sub-table it names, e.g. `optim`)."""
+    data = json.loads(json.dumps(base))  # a deep copy of plain TOML data
+    data.setdefault("run", {}).update(seed=seed, output_dir=str(output_dir))
+    for name, overrides in sections.items():
+        section = data.setdefault(name, {})
+        for key, value in overrides.items():
+            section[key] = {**section.get(key, {}), **value} if isinstance(value, dict) else value
+    return data

@@ -14,7 +14,6 @@ BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import tomllib
@@ -24,20 +23,15 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import ROOT, write_results, write_section  # noqa: E402
+from _report import ROOT, preset_data, write_results, write_section  # noqa: E402
 
-MODES = {"threshold": None, "random": {"strategy": "random", "steps_per_block": None}}
+MODES = {"threshold": {}, "random": {"strategy": "random"}}  # [grpo] sampler overrides
 
 
-def _config(base: dict, seed: int, output_dir: Path, grpo_sampler: dict | None):
+def _config(base: dict, seed: int, output_dir: Path, grpo_sampler: dict):
     from bd_train.stages import parse_pipeline_config
 
-    data = json.loads(json.dumps(base))  # a deep copy of plain TOML data
-    data.setdefault("run", {}).update(seed=seed, output_dir=str(output_dir))
-    if grpo_sampler is not None:
-        data.setdefault("grpo", {})["sampler"] = {**data.get("grpo", {}).get("sampler", {}), **grpo_sampler}
-        data["grpo"]["sampler"] = {k: v for k, v in data["grpo"]["sampler"].items() if v is not None}
-    return parse_pipeline_config(data)
+    return parse_pipeline_config(preset_data(base, seed=seed, output_dir=output_dir, grpo={"sampler": grpo_sampler}))
 
 
 def _metrics(result) -> dict[str, Any]:
@@ -48,7 +42,7 @@ def _metrics(result) -> dict[str, Any]:
 def run_seed(base: dict, seed: int, output_dir: Path) -> dict:
     from bd_train.stages import RunDir, run_grpo, run_opd, run_sft
 
-    config = _config(base, seed, output_dir, None)
+    config = _config(base, seed, output_dir, {})
     where = RunDir.create(config, run_id=f"seed{seed}")
     teacher = run_sft(config, where, role="teacher")
     student = run_sft(config, where, role="student")

@@ -12,7 +12,6 @@ Writes `bench/results/<stage>_sweep.json`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import tomllib
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import ROOT, write_results  # noqa: E402
+from _report import ROOT, preset_data, write_results  # noqa: E402
 
 OPD_VARIANTS = {
     "base": {},
@@ -61,20 +60,15 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     start = time.perf_counter()
     for seed in args.seeds:
-        data = json.loads(json.dumps(base))
-        data.setdefault("run", {}).update(seed=seed, output_dir=args.output_dir)
-        config = parse_pipeline_config(data)
+        config = parse_pipeline_config(preset_data(base, seed=seed, output_dir=args.output_dir))
         where = RunDir.create(config, run_id=f"seed{seed}")  # rl_study's folder: SFT resumes when done
         teacher = run_sft(config, where, role="teacher")
         student = run_sft(config, where, role="student")
         opd = run_opd(config, where, teacher=teacher, student=student) if args.stage == "grpo" else None
         assert teacher.evaluation is not None and student.evaluation is not None
         for name in names:
-            variant = json.loads(json.dumps(data))
-            section = variant.setdefault(args.stage, {})
-            for key, value in variants[name].items():
-                section[key] = {**section.get(key, {}), **value} if isinstance(value, dict) else value
-            vconfig = parse_pipeline_config(variant)
+            vconfig = parse_pipeline_config(preset_data(base, seed=seed, output_dir=args.output_dir,
+                                                        **{args.stage: variants[name]}))
             vwhere = RunDir.create(vconfig, run_id=f"seed{seed}-{args.stage}-{name}")
             t0 = time.perf_counter()
             if opd is None:
