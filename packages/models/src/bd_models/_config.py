@@ -1,7 +1,10 @@
 """`ModelConfig`: the frozen, validated architecture of the block-diffusion decoder.
 
-Every field is checked on construction; an error names the field, the value and the fix. Derived
-sizes (head_dim, query groups) are properties. `to_dict`/`from_dict` round-trip plain JSON values.
+Every field is checked on construction; an error names the field, the value and the fix.
+`head_dim` defaults to d_model / n_heads; query groups are a property. The architecture options a
+released checkpoint may need (per-head query/key RMSNorm as in Qwen3 and SDAR, q/k/v biases as in
+Qwen2, an untied head, Llama-3 RoPE scaling, the activation) are off by default. `to_dict`/`from_dict`
+round-trip plain JSON values.
 """
 
 from __future__ import annotations
@@ -17,6 +20,28 @@ from bd_core import ConfigError, config_error
 ATTENTION_IMPLS = ("dense", "blocked", "shard_map")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_matmuls")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 RoPE frequency scaling (`rope_type = "llama3"` in a checkpoint's config): wavelengths
+    longer than `original_max_position_embeddings / low_freq_factor` are divided by `factor`,
+    shorter than `.../ high_freq_factor` kept, and the band between interpolated smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise config_error("RopeScaling", name, value, "a positive number")
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise config_error("RopeScaling", "high_freq_factor", self.high_freq_factor,
+                               f"greater than low_freq_factor={self.low_freq_factor}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +50,11 @@ class ModelConfig:
     (online softmax over the key tiles the mask allows; O(T) memory) or `shard_map` (`blocked` per
     shard, batch over (`data`, `fsdp`), heads over `model`, on the mesh set with `jax.set_mesh`).
     `remat` picks what the backward pass recomputes per layer: `none` (keep every activation),
-    `full` (keep only each layer's input) or `save_matmuls` (keep the matmul outputs)."""
+    `full` (keep only each layer's input) or `save_matmuls` (keep the matmul outputs).
+    `head_dim` (None: d_model / n_heads) may differ from d_model / n_heads, as in Qwen3. `qk_norm`
+    adds a per-head RMSNorm on queries and keys before RoPE (Qwen3, SDAR); `qkv_bias` adds biases to
+    the q/k/v projections (Qwen2); `rope_scaling` applies Llama-3 frequency scaling; `activation`
+    is the MLP gate's (`silu`, `gelu` exact, `gelu_tanh`)."""
 
     vocab_size: int
     d_model: int
@@ -43,6 +72,11 @@ class ModelConfig:
     q_tile: int = 64
     k_tile: int = 64
     remat: str = "none"
+    head_dim: int = None  # pyright: ignore[reportAssignmentType]  # None: d_model // n_heads
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    activation: str = "silu"
 
     def __post_init__(self):
         fail = lambda field, expected, fix=None: config_error(  # noqa: E731
@@ -52,11 +86,15 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise fail(name, "a positive int")
-        if self.d_model % self.n_heads:
-            raise fail("d_model", f"a multiple of n_heads={self.n_heads}", "choose d_model = n_heads * head_dim")
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise fail("d_model", f"a multiple of n_heads={self.n_heads}",
+                           "choose d_model = n_heads * head_dim, or set head_dim")
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 1:
+            raise fail("head_dim", "a positive int (or None for d_model / n_heads)")
         if self.head_dim % 2:
-            raise fail("d_model", f"head_dim = d_model / n_heads to be even for RoPE (it is {self.head_dim})",
-                       "change d_model or n_heads")
+            raise fail("head_dim", "an even number for RoPE", "change head_dim (or d_model / n_heads)")
         if self.n_heads % self.n_kv_heads:
             raise fail("n_kv_heads", f"a divisor of n_heads={self.n_heads}",
                        "grouped-query attention needs n_kv_heads to divide n_heads")
@@ -71,12 +109,13 @@ class ModelConfig:
             raise fail("attention", f"one of {ATTENTION_IMPLS}")
         if self.remat not in REMAT_POLICIES:
             raise fail("remat", f"one of {REMAT_POLICIES}")
-        if not isinstance(self.tie_embeddings, bool):
-            raise fail("tie_embeddings", "a bool")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        for name in ("tie_embeddings", "qk_norm", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise fail(name, "a bool")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise fail("rope_scaling", "None or a RopeScaling")
+        if self.activation not in ACTIVATIONS:
+            raise fail("activation", f"one of {ACTIVATIONS}")
 
     @property
     def q_per_kv(self) -> int:
@@ -110,4 +149,6 @@ class ModelConfig:
         floats = {"rope_theta", "norm_eps"}
         kwargs: dict[str, Any] = {k: float(v) if k in floats and isinstance(v, int) and not isinstance(v, bool) else v
                                   for k, v in data.items()}
+        if isinstance(kwargs.get("rope_scaling"), Mapping):
+            kwargs["rope_scaling"] = RopeScaling(**kwargs["rope_scaling"])
         return cls(**kwargs)

@@ -1,4 +1,8 @@
-"""The decoder layer (RMSNorm, GQA projections with RoPE, SwiGLU MLP) and its pieces.
+"""The decoder layer (RMSNorm, GQA projections with RoPE, gated MLP) and its pieces.
+
+The optional parts a released checkpoint may carry (per-head q/k RMSNorm, q/k/v biases, Llama-3
+RoPE scaling, the gate activation) follow `ModelConfig`; with them off a layer has none of their
+arrays.
 
 A layer's arrays are unbatched here; the model stacks `n_layers` of them on a leading axis and
 scans. Every matmul runs on 2-D `[B·T, ·]` operands, the fastest form on CPU (ENVIRONMENT.md).
@@ -11,7 +15,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._config import ModelConfig
+from ._config import ModelConfig, RopeScaling
 
 Array = jax.Array
 
@@ -24,9 +28,24 @@ def rms_norm(x_xD, weight_D, eps: float, dtype) -> Array:
     return (y * weight_D.astype(jnp.float32)).astype(dtype)
 
 
-def rope_angles(positions_BxT, head_dim: int, theta: float) -> tuple[Array, Array]:
-    """cos, sin `[B, T, E/2]` in float32 for the canvas positions."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> Array:
+    """The `E/2` rotation frequencies theta^(-2i/E) in float32, Llama-3 scaled when `scaling` is set
+    (the same formula as transformers' `_compute_llama3_parameters`)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    old_len, low, high = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
+    wavelen = 2 * jnp.pi / inv_freq
+    scaled = jnp.where(wavelen > old_len / low, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope_angles(positions_BxT, config: ModelConfig) -> tuple[Array, Array]:
+    """cos, sin `[B, T, E/2]` in float32 for the canvas positions."""
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
     angles = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -38,13 +57,18 @@ def apply_rope(x_BxTxHxE, cos, sin) -> Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxTxHxE.dtype)
 
 
-def _matmul(x, w, dtype) -> Array:
-    """`x [rows, in] @ w [in, out]` in `dtype`."""
-    return jnp.dot(x, w.astype(dtype), preferred_element_type=dtype)
+def _matmul(x, w, dtype, bias=None) -> Array:
+    """`x [rows, in] @ w [in, out]` (+ `bias [out]`) in `dtype`."""
+    y = jnp.dot(x, w.astype(dtype), preferred_element_type=dtype)
+    return y if bias is None else y + bias.astype(dtype)
+
+
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+                "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 class DecoderLayer(eqx.Module):
-    """One pre-norm block: x + Attn(norm(x)), then x + SwiGLU(norm(x))."""
+    """One pre-norm block: x + Attn(norm(x)), then x + down(act(gate(norm(x))) * up(norm(x)))."""
 
     attn_norm: Array
     wq: Array
@@ -55,6 +79,11 @@ class DecoderLayer(eqx.Module):
     w_gate: Array
     w_up: Array
     w_down: Array
+    q_norm: Array | None
+    k_norm: Array | None
+    bq: Array | None
+    bk: Array | None
+    bv: Array | None
 
     def __init__(self, config: ModelConfig, *, key: Array):
         d, e, f = config.d_model, config.head_dim, config.d_ff
@@ -74,6 +103,9 @@ class DecoderLayer(eqx.Module):
         self.w_gate = init(gate_key, (d, f))
         self.w_up = init(up_key, (d, f))
         self.w_down = init(down_key, (f, d), out_scale)
+        ones, zeros = (lambda n: jnp.ones((n,), dtype)), (lambda n: jnp.zeros((n,), dtype))
+        self.q_norm, self.k_norm = (ones(e), ones(e)) if config.qk_norm else (None, None)
+        self.bq, self.bk, self.bv = (zeros(h * e), zeros(kv * e), zeros(kv * e)) if config.qkv_bias else (None,) * 3
 
     def qkv(self, x_BxTxD, cos, sin, config: ModelConfig) -> tuple[Array, Array, Array]:
         """q `[B, T, K, G, E]` (pre-scaled by 1/sqrt(E)), k and v `[B, T, K, E]`, RoPE applied."""
@@ -81,9 +113,13 @@ class DecoderLayer(eqx.Module):
         kv, g, e = config.n_kv_heads, config.q_per_kv, config.head_dim
         dtype = config.compute_jnp_dtype
         h_BTxD = rms_norm(x_BxTxD, self.attn_norm, config.norm_eps, dtype).reshape(b * t, d)
-        q = apply_rope(_matmul(h_BTxD, self.wq, dtype).reshape(b, t, kv * g, e), cos, sin)
-        k = apply_rope(_matmul(h_BTxD, self.wk, dtype).reshape(b, t, kv, e), cos, sin)
-        v = _matmul(h_BTxD, self.wv, dtype).reshape(b, t, kv, e)
+        q = _matmul(h_BTxD, self.wq, dtype, self.bq).reshape(b, t, kv * g, e)
+        k = _matmul(h_BTxD, self.wk, dtype, self.bk).reshape(b, t, kv, e)
+        v = _matmul(h_BTxD, self.wv, dtype, self.bv).reshape(b, t, kv, e)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = rms_norm(q, self.q_norm, config.norm_eps, dtype)
+            k = rms_norm(k, self.k_norm, config.norm_eps, dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q = (q * jnp.asarray(e ** -0.5, dtype)).reshape(b, t, kv, g, e)
         return q, k, v
 
@@ -95,5 +131,5 @@ class DecoderLayer(eqx.Module):
         h_BTxD = rms_norm(x_BTxD, self.mlp_norm, config.norm_eps, dtype)
         gate_BTxF = _matmul(h_BTxD, self.w_gate, dtype)
         up_BTxF = _matmul(h_BTxD, self.w_up, dtype)
-        x_BTxD = x_BTxD + _matmul(jax.nn.silu(gate_BTxF) * up_BTxF, self.w_down, dtype)
+        x_BTxD = x_BTxD + _matmul(_ACTIVATIONS[config.activation](gate_BTxF) * up_BTxF, self.w_down, dtype)
         return x_BTxD.reshape(b, t, d)

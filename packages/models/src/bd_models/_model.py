@@ -78,7 +78,7 @@ class BlockDiffusionLM(eqx.Module):
     def embed_forward(self, x: Float[Array, "B T D"], layout: ViewLayout) -> Float[Array, "B T V"]:
         """The forward from input embeddings (what gradient-through-the-mask tests differentiate)."""
         config = self.config
-        cos, sin = rope_angles(layout.positions, config.head_dim, config.rope_theta)
+        cos, sin = rope_angles(layout.positions, config)
         meta = TokenMeta.from_layout(layout)
 
         def layer_step(x_BxTxD, layer: DecoderLayer):
@@ -114,7 +114,7 @@ class BlockDiffusionLM(eqx.Module):
         clean (view 0) tokens; they land at slot = position.
         """
         config = self.config
-        cos, sin = rope_angles(chunk.positions, config.head_dim, config.rope_theta)
+        cos, sin = rope_angles(chunk.positions, config)
         chunk_meta = TokenMeta.from_layout(chunk)
         key_meta = TokenMeta(*(jnp.concatenate([c, q], axis=1) for c, q in zip(cache.meta(), chunk_meta)))
 

@@ -34,6 +34,11 @@ _SPECS = {
     "w_gate": ("fsdp", MODEL_AXIS),
     "w_up": ("fsdp", MODEL_AXIS),
     "w_down": (MODEL_AXIS, "fsdp"),
+    "q_norm": ("__none__",),
+    "k_norm": ("__none__",),
+    "bq": (MODEL_AXIS,),
+    "bk": (MODEL_AXIS,),
+    "bv": (MODEL_AXIS,),
 }
 
 
