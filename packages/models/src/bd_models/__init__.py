@@ -1,6 +1,7 @@
 """bd_models: the Equinox block-diffusion decoder, its attention implementations, sharding,
-KV cache, FLOP counts, the sampler with its sampling distribution, and trace scoring. Depends on
-bd_core only. Shape letters: see bd_core.
+KV cache, FLOP counts, the sampler with its sampling distribution, trace scoring, and Hugging Face
+checkpoints in and out (`from_pretrained`, `save_pretrained`: Qwen3, SDAR, Qwen2, Fast-dLLM v2,
+Llama). Depends on bd_core only. Shape letters: see bd_core.
 """
 
 from bd_core import ConfigError as ConfigError
@@ -11,8 +12,15 @@ from ._attention import sharded_attention as sharded_attention
 from ._cache import KVCache as KVCache
 from ._config import REMAT_POLICIES as REMAT_POLICIES
 from ._config import ModelConfig as ModelConfig
+from ._config import RopeScaling as RopeScaling
 from ._flops import attention_entries as attention_entries
 from ._flops import model_flops as model_flops
+from ._hf_config import ARCHITECTURES as ARCHITECTURES
+from ._hf_config import PretrainedError as PretrainedError
+from ._hf_config import model_config_from_hf as model_config_from_hf
+from ._hf_io import from_pretrained as from_pretrained
+from ._hf_io import read_hf_config as read_hf_config
+from ._hf_io import save_pretrained as save_pretrained
 from ._layers import DecoderLayer as DecoderLayer
 from ._mask import tile_needed as tile_needed
 from ._model import BlockDiffusionLM as BlockDiffusionLM

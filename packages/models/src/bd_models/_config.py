@@ -1,7 +1,7 @@
 """`ModelConfig`: the frozen, validated architecture of the block-diffusion decoder.
 
 Every field is checked on construction; an error names the field, the value and the fix.
-`head_dim` defaults to d_model / n_heads; query groups are a property. The architecture options a
+`head_dim` defaults (0) to d_model / n_heads; query groups are a property. The architecture options a
 released checkpoint may need (per-head query/key RMSNorm as in Qwen3 and SDAR, q/k/v biases as in
 Qwen2, an untied head, Llama-3 RoPE scaling, the activation) are off by default. `to_dict`/`from_dict`
 round-trip plain JSON values.
@@ -51,7 +51,7 @@ class ModelConfig:
     shard, batch over (`data`, `fsdp`), heads over `model`, on the mesh set with `jax.set_mesh`).
     `remat` picks what the backward pass recomputes per layer: `none` (keep every activation),
     `full` (keep only each layer's input) or `save_matmuls` (keep the matmul outputs).
-    `head_dim` (None: d_model / n_heads) may differ from d_model / n_heads, as in Qwen3. `qk_norm`
+    `head_dim` (0: d_model / n_heads) may differ from d_model / n_heads, as in Qwen3. `qk_norm`
     adds a per-head RMSNorm on queries and keys before RoPE (Qwen3, SDAR); `qkv_bias` adds biases to
     the q/k/v projections (Qwen2); `rope_scaling` applies Llama-3 frequency scaling; `activation`
     is the MLP gate's (`silu`, `gelu` exact, `gelu_tanh`)."""
@@ -72,7 +72,7 @@ class ModelConfig:
     q_tile: int = 64
     k_tile: int = 64
     remat: str = "none"
-    head_dim: int = None  # pyright: ignore[reportAssignmentType]  # None: d_model // n_heads
+    head_dim: int = 0  # 0: d_model // n_heads
     qk_norm: bool = False
     qkv_bias: bool = False
     rope_scaling: RopeScaling | None = None
@@ -86,13 +86,13 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise fail(name, "a positive int")
-        if self.head_dim is None:
+        if self.head_dim == 0 and not isinstance(self.head_dim, bool):
             if self.d_model % self.n_heads:
                 raise fail("d_model", f"a multiple of n_heads={self.n_heads}",
                            "choose d_model = n_heads * head_dim, or set head_dim")
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 1:
-            raise fail("head_dim", "a positive int (or None for d_model / n_heads)")
+            raise fail("head_dim", "a positive int (or 0 for d_model / n_heads)")
         if self.head_dim % 2:
             raise fail("head_dim", "an even number for RoPE", "change head_dim (or d_model / n_heads)")
         if self.n_heads % self.n_kv_heads:

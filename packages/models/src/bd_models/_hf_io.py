@@ -1,0 +1,343 @@
+"""`from_pretrained` and `save_pretrained`: Hugging Face checkpoints (config.json + safetensors,
+single file or sharded with its index) in and out, through safetensors' numpy API (no torch).
+
+Import builds every parameter straight into its shards: each device's shard is read from the files
+as a slice (`safe_open(...).get_slice`), so no host holds more than one tensor slice at a time,
+on any number of processes. Linear weights are stored `[out, in]` in the files and `[in, out]`
+here; per-layer tensors are stacked on the leading layer axis. A vocabulary grown past the file's
+(an added mask token) gets new embedding (and untied head) rows equal to the mean of the existing
+rows. Export writes the same names back, sharded past `max_shard_bytes`; import -> export -> import
+is bit-exact.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from ._config import ModelConfig
+from ._hf_config import ARCHITECTURES, PretrainedError, hf_config, model_config_from_hf
+from ._model import BlockDiffusionLM
+from ._sharding import check_divisibility, param_partition_specs, to_host
+
+# Our leaf -> (its name in the file, stored transposed). Layer names get "model.layers.{i}." first.
+_LAYER = {
+    "attn_norm": ("input_layernorm.weight", False), "mlp_norm": ("post_attention_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True), "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True), "wo": ("self_attn.o_proj.weight", True),
+    "q_norm": ("self_attn.q_norm.weight", False), "k_norm": ("self_attn.k_norm.weight", False),
+    "bq": ("self_attn.q_proj.bias", False), "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "w_gate": ("mlp.gate_proj.weight", True), "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
+_TOP = {"embedding": ("model.embed_tokens.weight", False), "final_norm": ("model.norm.weight", False),
+        "lm_head": ("lm_head.weight", True)}
+_VOCAB_ROWS = ("embedding", "lm_head")  # leaves whose vocabulary axis may grow
+# Buffers some checkpoints carry that are recomputed, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The folder's `config.json` as a dict; a missing or malformed file is one `PretrainedError`."""
+    path = Path(path)
+    file = path / "config.json"
+    if not path.is_dir():
+        raise PretrainedError(f"checkpoint folder {str(path)!r} does not exist; pass the folder that holds "
+                              f"config.json and the *.safetensors files")
+    if not file.is_file():
+        raise PretrainedError(f"{str(file)!r} is missing: a Hugging Face checkpoint folder has a config.json beside "
+                              f"its weights; copy it from the checkpoint's source")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise PretrainedError(f"{str(file)!r} is not valid JSON ({err}); restore the file") from None
+    if not isinstance(raw, dict):
+        raise PretrainedError(f"{str(file)!r} holds a {type(raw).__name__}, not a JSON object; restore the file")
+    return raw
+
+
+class _Tensors:
+    """Every tensor of a checkpoint folder by name: (file, shape, dtype) from the headers, and
+    slices read on demand from files kept open for the duration of an import."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        index = path / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise PretrainedError(f"{str(index)!r} is not a safetensors index (no weight_map: {err}); restore "
+                                      f"the file") from None
+            files = sorted(set(weight_map.values()))
+        elif (path / SINGLE).is_file():
+            files = [SINGLE]
+        else:
+            raise PretrainedError(f"{str(path)!r} has neither {SINGLE} nor {INDEX}; bdlm reads safetensors weights "
+                                  f"(convert .bin/.pt checkpoints with transformers' save_pretrained first)")
+        self.where: dict[str, str] = {}
+        self.shape: dict[str, tuple[int, ...]] = {}
+        self._stack = ExitStack()
+        self._open: dict[str, Any] = {}
+        for name in files:
+            file = path / name
+            if not file.is_file():
+                raise PretrainedError(f"shard {str(file)!r} named in {INDEX} is missing; download or copy every "
+                                      f"shard the index lists")
+            try:
+                handle = self._stack.enter_context(safe_open(str(file), framework="numpy"))
+                keys = list(handle.keys())
+                shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in keys}
+            except Exception as err:  # safetensors raises its own error type for a damaged header or size
+                self.close()
+                raise PretrainedError(f"{str(file)!r} is not a readable safetensors file ({err}); it is truncated or "
+                                      f"damaged: download or export it again") from None
+            self._open[name] = handle
+            for key in keys:
+                self.where[key], self.shape[key] = name, shapes[key]
+        if index.is_file():
+            misplaced = sorted(k for k, f in weight_map.items() if self.where.get(k) != f)
+            if misplaced:
+                self.close()
+                raise PretrainedError(f"{str(index)!r} lists tensors its shards do not hold: {misplaced[:5]}; the "
+                                      f"folder mixes files of different checkpoints: download it again")
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        return np.asarray(self._open[self.where[name]].get_slice(name)[index])
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def _file_names(config: ModelConfig) -> dict[str, tuple[str, int]]:
+    """Every tensor name the files must hold for `config`: (our leaf, its layer or -1)."""
+    names = {}
+    for leaf, (name, _) in _TOP.items():
+        if leaf != "lm_head" or not config.tie_embeddings:
+            names[name] = (leaf, -1)
+    for leaf, (name, _) in _LAYER.items():
+        absent = (leaf in ("q_norm", "k_norm") and not config.qk_norm) or (leaf in ("bq", "bk", "bv")
+                                                                            and not config.qkv_bias)
+        if absent:
+            continue
+        for i in range(config.n_layers):
+            names[f"model.layers.{i}.{name}"] = (leaf, i)
+    return names
+
+
+def _expected_shape(abstract, leaf: str, layered: bool, file_vocab: int) -> tuple[int, ...]:
+    shape = tuple(abstract.shape[1:] if layered else abstract.shape)
+    if leaf in _VOCAB_ROWS:
+        shape = (file_vocab, shape[1]) if leaf == "embedding" else (shape[0], file_vocab)
+    return shape
+
+
+def _check_tensors(tensors: _Tensors, config: ModelConfig, abstract_leaves: Mapping[str, Any], file_vocab: int,
+                   path: Path) -> None:
+    """Missing, unexpected and mis-shaped tensors, all named in one error."""
+    expected = _file_names(config)
+    present = {k for k in tensors.shape if not k.endswith(_IGNORED_SUFFIXES)}
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(present - set(expected))
+    wrong = []
+    for name, (leaf, layer) in expected.items():
+        if name in tensors.shape:
+            transposed = (_LAYER if layer >= 0 else _TOP)[leaf][1]
+            want = _expected_shape(abstract_leaves[leaf], leaf, layer >= 0, file_vocab)
+            want = want[::-1] if transposed else want
+            if tensors.shape[name] != want:
+                wrong.append(f"{name}: file {list(tensors.shape[name])}, config.json implies {list(want)}")
+    listed = lambda names, n: f"{names[:n]}" + (f" (+{len(names) - n} more)" if len(names) > n else "")  # noqa: E731
+    problems = [f"missing {listed(missing, 8)}"] if missing else []
+    problems += [f"unexpected {listed(unexpected, 8)}"] if unexpected else []
+    problems += [f"shape mismatch {listed(wrong, 4)}"] if wrong else []
+    if problems:
+        raise PretrainedError(f"{str(path)!r}: the tensors do not match config.json ({'; '.join(problems)}); the "
+                              f"weights and config.json come from different checkpoints, or tie_word_embeddings is "
+                              f"wrong: use the config.json that was saved with these weights")
+
+
+def _reader(tensors: _Tensors, leaf: str, config: ModelConfig, file_vocab: int, dtype,
+            mean_row: Callable[[], np.ndarray]) -> Callable[[tuple[slice, ...]], np.ndarray]:
+    """The callback `jax.make_array_from_callback` calls with one shard's index."""
+    layered = leaf in _LAYER
+    name, transposed = _LAYER[leaf] if layered else _TOP[leaf]
+    grows = leaf in _VOCAB_ROWS and config.vocab_size > file_vocab
+    vocab_axis = 0 if leaf == "embedding" else 1
+
+    def one(file_name: str, index: tuple[slice, ...]) -> np.ndarray:
+        if not grows:
+            file_index = index[::-1] if transposed else index
+            part = tensors.read(file_name, file_index)
+            return part.T if transposed else part
+        # Rows (columns for the head) past the file's vocabulary are the mean of its rows.
+        rows = range(config.vocab_size)[index[vocab_axis]]
+        kept = [r for r in rows if r < file_vocab]
+        other = index[1 - vocab_axis]
+        file_rows = slice(kept[0], kept[-1] + 1) if kept else slice(0, 0)
+        file_index = (file_rows, other) if leaf == "embedding" else (other, file_rows)
+        part = tensors.read(file_name, (file_index[::-1] if transposed else file_index))
+        part = part.T if transposed else part
+        extra = len(rows) - len(kept)
+        if extra:
+            fill = np.broadcast_to(mean_row()[other].astype(part.dtype), (extra, part.shape[1 - vocab_axis]))
+            part = np.concatenate([part, fill if leaf == "embedding" else fill.T], axis=vocab_axis)
+        return part
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        if not layered:
+            return one(name, index).astype(dtype)
+        layers = range(config.n_layers)[index[0]]
+        return np.stack([one(f"model.layers.{i}.{name}", index[1:]) for i in layers]).astype(dtype)
+
+    return read
+
+
+def _mean_row(tensors: _Tensors, name: str, rows: int) -> Callable[[], np.ndarray]:
+    """The mean over the vocabulary (the file's rows, `[V, D]` for the embedding and the head
+    alike) of an embedding-like tensor, read in row chunks, computed once."""
+    cache: list[np.ndarray] = []
+
+    def get() -> np.ndarray:
+        if not cache:
+            total = None
+            for start in range(0, rows, 4096):
+                chunk = slice(start, min(rows, start + 4096))
+                s = np.asarray(tensors.read(name, (chunk, slice(None))), np.float64).sum(axis=0)
+                total = s if total is None else total + s
+            assert total is not None
+            cache.append((total / rows).astype(np.float32))
+        return cache[0]
+
+    return get
+
+
+def from_pretrained(path: str | Path, *, block_size: int | None = None, vocab_size: int | None = None,
+                    param_dtype: str = "float32", compute_dtype: str | None = None, mesh: Mesh | None = None,
+                    **overrides: Any) -> BlockDiffusionLM:
+    """A `BlockDiffusionLM` from a Hugging Face checkpoint folder (Qwen3, SDAR, Qwen2, Fast-dLLM v2,
+    Llama). `block_size` defaults to the config's (SDAR, Fast-dLLM v2) and is required otherwise;
+    `vocab_size` larger than the file's grows the embedding (and untied head) with mean rows;
+    with `mesh` every parameter is built in its shards. `overrides`: ModelConfig run-time fields
+    (attention, q_tile, k_tile, remat)."""
+    path = Path(path)
+    raw = read_hf_config(path)
+    where = str(path / "config.json")
+    file_vocab = int(raw.get("vocab_size", 0))
+    if vocab_size is not None and vocab_size < file_vocab:
+        raise PretrainedError(f"from_pretrained: vocab_size={vocab_size} is smaller than the checkpoint's "
+                              f"{file_vocab}; pass None (keep it) or a larger size (to add tokens)")
+    config = model_config_from_hf(raw, where=where, block_size=block_size, vocab_size=vocab_size,
+                                  param_dtype=param_dtype, compute_dtype=compute_dtype, **overrides)
+    abstract = eqx.filter_eval_shape(lambda: BlockDiffusionLM(config, key=jax.random.key(0)))
+    if mesh is not None:
+        check_divisibility(config, mesh)
+    specs = param_partition_specs(abstract, mesh)
+    leaves = {str(getattr(p[-1], "name", p[-1])): x for p, x in jax.tree_util.tree_leaves_with_path(abstract)}
+    tensors = _Tensors(path)
+    try:
+        _check_tensors(tensors, config, leaves, file_vocab, path)
+        means: dict[str, Callable[[], np.ndarray]] = {}
+        for leaf in _VOCAB_ROWS:
+            if leaf in leaves:
+                means[leaf] = _mean_row(tensors, _TOP[leaf][0], file_vocab)
+
+        def build(path_, shape_dtype, spec):
+            leaf = str(getattr(path_[-1], "name", path_[-1]))
+            read = _reader(tensors, leaf, config, file_vocab, shape_dtype.dtype, means.get(leaf, lambda: np.zeros(0)))
+            if mesh is None:
+                return jnp.asarray(read(tuple(slice(0, n) for n in shape_dtype.shape)))
+            return jax.make_array_from_callback(shape_dtype.shape, NamedSharding(mesh, spec),
+                                                lambda index: read(tuple(index)))  # pyright: ignore[reportArgumentType]
+
+        arrays, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        built = jax.tree_util.tree_map_with_path(build, arrays, specs)
+        return eqx.combine(built, static)
+    finally:
+        tensors.close()
+
+
+def _named_tensors(model: BlockDiffusionLM) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
+    """(file name, a thunk giving the tensor) in file order, one tensor on the host at a time."""
+    config = model.config
+    table = _file_names(config)
+    for name, (leaf, layer) in table.items():
+        transposed = (_LAYER if layer >= 0 else _TOP)[leaf][1]
+        source = getattr(model, leaf) if layer < 0 else getattr(model.layers, leaf)
+
+        def get(source=source, layer=layer, transposed=transposed) -> np.ndarray:
+            value = to_host(source[layer] if layer >= 0 else source)
+            return np.ascontiguousarray(value.T if transposed else value)
+
+        yield name, get
+
+
+def save_pretrained(model: BlockDiffusionLM, path: str | Path, *, model_type: str | None = None,
+                    base_config: Mapping[str, Any] | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write `model` as a Hugging Face checkpoint folder: config.json (4.x form) and safetensors,
+    split into `model-0000i-of-0000n.safetensors` with an index past `max_shard_bytes`.
+    `model_type` defaults to `base_config`'s (the imported checkpoint's, whose other keys are kept)
+    or to the layout the model's options imply (`qwen3`, `qwen2`, `llama`). With several processes,
+    every process must call it (tensors are gathered); process 0 writes."""
+    from safetensors.numpy import save_file
+
+    from ._hf_config import _layout_for
+
+    config = model.config
+    model_type = model_type or (base_config or {}).get("model_type") or _layout_for(config)
+    if model_type not in ARCHITECTURES:
+        raise PretrainedError(f"save_pretrained: model_type {model_type!r} is not one of {sorted(ARCHITECTURES)}")
+    path = Path(path)
+    writer = jax.process_index() == 0
+    torch_dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[config.param_dtype]
+    content = hf_config(config, model_type, base=base_config, torch_dtype=torch_dtype)
+    if writer:
+        path.mkdir(parents=True, exist_ok=True)
+        for old in list(path.glob("model*.safetensors")) + [path / INDEX]:
+            old.unlink(missing_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size, total, weight_map = 0, 0, {}
+    files: list[str] = []
+
+    def flush():
+        if shards[-1] and writer:
+            name = f"part-{len(files)}"
+            save_file(shards[-1], str(path / (name + ".tmp")), metadata={"format": "pt"})
+            files.append(name)
+        elif shards[-1]:
+            files.append(f"part-{len(files)}")
+        shards[-1] = {}
+
+    for name, get in _named_tensors(model):
+        value = get()
+        if size and size + value.nbytes > max_shard_bytes:
+            flush()
+            size = 0
+        shards[-1][name] = value
+        weight_map[name] = len(files)
+        size += value.nbytes
+        total += value.nbytes
+    flush()
+    if writer:
+        n = len(files)
+        final = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for tmp, name in zip(files, final):
+            (path / (tmp + ".tmp")).rename(path / name)
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": {k: final[i] for k, i in weight_map.items()}}
+            (path / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (path / "config.json").write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    return path
