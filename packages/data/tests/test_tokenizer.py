@@ -59,7 +59,7 @@ def test_hf_adapter_errors(tmp_path):
         HFTokenizer(tmp_path / "missing.json")
     path = tmp_path / "nomask.json"
     _write_tokenizer(path, ["<|pad|>", "<|endoftext|>"])
-    with pytest.raises(TokenizerError, match=r"nomask\.json.*no mask_token '<\|mask\|>'.*add_special_tokens"):
+    with pytest.raises(TokenizerError, match=r"nomask\.json.*no mask_token '<\|mask\|>'.*add_mask_token=True"):
         HFTokenizer(path)
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -67,11 +67,28 @@ def test_hf_adapter_errors(tmp_path):
         HFTokenizer(bad)
 
 
-def test_hf_pad_falls_back_to_eos(tmp_path):
+def test_added_mask_token_takes_the_next_id_and_is_recorded(tmp_path):
+    path = tmp_path / "nomask.json"
+    _write_tokenizer(path, ["<|pad|>", "<|endoftext|>"])
+    plain = HFTokenizer(path, mask_token="<|endoftext|>")
+    tok = HFTokenizer(path, add_mask_token=True)
+    assert tok.added_mask and tok.mask_id == plain.vocab_size and tok.vocab_size == plain.vocab_size + 1
+    assert tok.identity != plain.identity and tok.identity.endswith("+<|mask|>")
+    assert tok.decode([*tok.encode("fox"), tok.mask_id]) == "fox"
+    assert list(tok.encode("<|mask|>")) != [tok.mask_id]  # text is text, even for the added token
+    tok.save(tmp_path / "saved.json")
+    again = HFTokenizer(tmp_path / "saved.json")
+    assert (again.mask_id, again.vocab_size, again.added_mask) == (tok.mask_id, tok.vocab_size, False)
+    has_mask = tmp_path / "mask.json"
+    _write_tokenizer(has_mask, ["<|pad|>", "<|mask|>", "<|endoftext|>"])
+    assert not HFTokenizer(has_mask, add_mask_token=True).added_mask  # nothing to add
+
+
+def test_hf_pad_falls_back_to_the_never_sampled_mask(tmp_path):
     path = tmp_path / "nopad.json"
     _write_tokenizer(path, ["<|mask|>", "<|endoftext|>"])
     tok = HFTokenizer(path)
-    assert tok.pad_id == tok.eos_id
+    assert tok.pad_id == tok.mask_id != tok.eos_id
 
 
 def test_text_never_becomes_control_tokens(tmp_path):

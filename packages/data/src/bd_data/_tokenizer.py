@@ -103,12 +103,16 @@ class ByteTokenizer:
 class HFTokenizer:
     """A local HF `tokenizer.json`; the identity carries a hash of the file's bytes.
 
-    `mask_token` and `eos_token` must be in the vocabulary; `pad_token` falls back to the eos token
-    when the file has none (padding is always marked invalid, so its id never matters).
+    `mask_token` and `eos_token` must be in the vocabulary; `pad_token` falls back to the mask token
+    when the file has none (padding is always marked invalid, so its id only has to be one that is
+    never sampled: the eos token, which released tokenizers often use as pad, must stay samplable). A tokenizer
+    without a mask token (an autoregressive checkpoint's) gets one with `add_mask_token=True`: a
+    special token with the next free id (`vocab_size` grows by one; the model's embedding grows
+    with it), recorded in the identity. `save` writes the tokenizer as used, added token included.
     """
 
     def __init__(self, path: str | Path, *, mask_token: str = "<|mask|>", eos_token: str = "<|endoftext|>",
-                 pad_token: str | None = "<|pad|>"):
+                 pad_token: str | None = "<|pad|>", add_mask_token: bool = False):
         from tokenizers import Tokenizer as _HF
 
         path = Path(path)
@@ -127,17 +131,22 @@ class HFTokenizer:
         self._tok.encode_special_tokens = True
         self.path = path
         self._digest = hashlib.sha256(raw).hexdigest()[:16]
+        self.added_mask = add_mask_token and self._tok.token_to_id(mask_token) is None
+        if self.added_mask:
+            self._tok.add_special_tokens([mask_token])
+            self._digest += f"+{mask_token}"
         self._mask = self._require(mask_token, "mask_token", path)
         self._eos = self._require(eos_token, "eos_token", path)
         pad = self._tok.token_to_id(pad_token) if pad_token is not None else None
-        self._pad = self._eos if pad is None else int(pad)
+        self._pad = self._mask if pad is None else int(pad)
 
     def _require(self, token: str, field: str, path: Path) -> int:
         token_id = self._tok.token_to_id(token)
         if token_id is None:
             raise TokenizerError(
-                f"tokenizer file {str(path)!r} has no {field} {token!r}; add it as a special token "
-                f"(tokenizer.add_special_tokens([{token!r}]) and save), or pass {field}= with a token it has"
+                f"tokenizer file {str(path)!r} has no {field} {token!r}; pass {field}= with a token it has"
+                + (", or add_mask_token=True ([tokenizer] add_mask_token = true) to add it as a new special token "
+                   "(the model's embedding grows by one row)" if field == "mask_token" else "")
             )
         return int(token_id)
 
@@ -164,6 +173,14 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         _utf8(text)
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def token(self, token_id: int) -> str | None:
+        """The token text of an id (special tokens included)."""
+        return self._tok.id_to_token(int(token_id))
+
+    def save(self, path: str | Path) -> None:
+        """Write the tokenizer as used (an added mask token included) as a `tokenizer.json`."""
+        self._tok.save(str(path))
 
     def decode(self, ids, *, stop_at_eos: bool = True) -> str:
         specials = {self._pad, self._mask, self._eos}

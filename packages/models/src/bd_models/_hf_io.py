@@ -68,6 +68,21 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return raw
 
 
+def checkpoint_digest(path: str | Path) -> str:
+    """A short digest of a checkpoint folder that changes with its config, its tensor names,
+    shapes, dtypes and file sizes (the safetensors headers), without reading the weights."""
+    import hashlib
+
+    path = Path(path)
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        with file.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            digest.update(file.name.encode() + handle.read(min(size, 100_000_000)))
+        digest.update(str(file.stat().st_size).encode())
+    return digest.hexdigest()[:16]
+
+
 class _Tensors:
     """Every tensor of a checkpoint folder by name: (file, shape, dtype) from the headers, and
     slices read on demand from files kept open for the duration of an import."""

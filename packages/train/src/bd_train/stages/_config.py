@@ -53,9 +53,16 @@ class TaskSection:
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerSection:
-    """The byte-level tokenizer (default), or a local HF `tokenizer.json` with a mask token."""
+    """The byte-level tokenizer (default), a local HF `tokenizer.json`, or (no `path`, a pretrained
+    model) the checkpoint's own `tokenizer.json`. `mask_token` / `eos_token` default to those its
+    `tokenizer_config.json` names, else `<|mask|>` / `<|endoftext|>`; `add_mask_token` adds a
+    mask token the tokenizer lacks (an autoregressive checkpoint's), growing the embedding by a row
+    initialized to the mean of the others."""
 
     path: str | None = None
+    mask_token: str | None = None
+    eos_token: str | None = None
+    add_mask_token: bool = False
 
     def __post_init__(self):
         if self.path is not None and not Path(self.path).is_file():
@@ -65,7 +72,9 @@ class TokenizerSection:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-    """Architecture sizes; vocab and block size come from the tokenizer and canvas."""
+    """Architecture sizes; vocab and block size come from the tokenizer and canvas. `pretrained`
+    starts from a Hugging Face checkpoint folder instead (config.json + safetensors: Qwen3, SDAR,
+    Qwen2, Fast-dLLM v2, Llama), whose config sets the architecture (the sizes here are unused)."""
 
     d_model: int = 64
     n_layers: int = 2
@@ -77,11 +86,23 @@ class ModelSection:
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "save_matmuls"] = "none"  # what the backward pass recomputes per layer
     checkpoint: str | None = None  # start from this SFT checkpoint folder instead of training
+    pretrained: str | None = None  # SFT starts from this Hugging Face checkpoint folder
 
     def __post_init__(self):
         if self.checkpoint is not None and not Path(self.checkpoint).is_dir():
             raise ConfigError(f"checkpoint: folder {self.checkpoint!r} does not exist; give the checkpoint folder of "
                               f"an SFT stage (runs/pipeline/<run-id>/checkpoints/sft-<role>) or remove the key")
+        if self.pretrained is not None:
+            if self.checkpoint is not None:
+                raise ConfigError("pretrained: give either checkpoint (adopt a finished SFT) or pretrained (train "
+                                  "from a Hugging Face checkpoint), not both")
+            from bd_models import model_config_from_hf, read_hf_config
+
+            try:  # the folder, its config.json and its architecture, checked now
+                model_config_from_hf(read_hf_config(self.pretrained), block_size=1,
+                                     where=str(Path(self.pretrained) / "config.json"))
+            except ConfigError as err:
+                raise ConfigError(f"pretrained: {err}") from None
 
     def model_kwargs(self) -> dict[str, Any]:
         return dict(d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
@@ -221,6 +242,7 @@ class RunSection:
     checkpoint_every: int = 100
     max_to_keep: int = 2
     log_every: int = 10
+    export: bool = False  # also write each stage's model as a Hugging Face checkpoint (<run>/export/<stage>)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +260,13 @@ class PipelineConfig:
     mesh: MeshSection = MeshSection()
 
     def __post_init__(self):
+        folders = {role: getattr(self, role).pretrained for role in ("teacher", "student")}
+        if self.tokenizer.path is None and all(folders.values()):
+            files = [Path(f) / "tokenizer.json" for f in folders.values()]
+            if all(f.is_file() for f in files) and files[0].read_bytes() != files[1].read_bytes():
+                raise ConfigError(f"tokenizer.path: the teacher's {str(files[0])!r} and the student's "
+                                  f"{str(files[1])!r} differ, and distillation needs one tokenizer; pick "
+                                  f"checkpoints of one family, or set [tokenizer] path to the one both use")
         if self.canvas.policy != "block_aligned":
             raise ConfigError("canvas.policy: the pipeline's rollouts (OPD, GRPO, eval) decode on the block-aligned "
                               "canvas; use policy = 'block_aligned' (the contiguous canvas is for bd_data's SFT "

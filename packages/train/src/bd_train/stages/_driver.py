@@ -61,6 +61,7 @@ class StageResult:
     evaluation: Evaluation | None
     curves_png: bytes | None = None
     wandb_run_dir: str | None = None
+    export_dir: str | None = None  # the Hugging Face export (`[run] export = true`)
 
     @property
     def fingerprint(self) -> Fingerprint:
@@ -133,11 +134,12 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             checkpoints.close()
             evaluation = evaluate(state.model, run, key=spec.eval_key, title=f"{spec.role} after {spec.title}",
                                   mesh=spec.mesh)
+            export = run.export(state.model, spec.name, spec.role) if cfg.run.export else None
         log_evaluation(tracker, evaluation, step=spec.total)
     return StageResult(stage=spec.name, role=spec.role, checkpoint_dir=str(directory), step=int(state.step),
                        identity=spec.fingerprints["identity"].to_json(), history=history, evaluation=evaluation,
                        curves_png=curves_png(history, spec.curves, title=f"{spec.title} ({spec.role})"),
-                       wandb_run_dir=str(tracker.run_dir))
+                       wandb_run_dir=str(tracker.run_dir), export_dir=None if export is None else str(export))
 
 
 def tracker_for(run: Run, stage: str) -> Tracker:

@@ -7,14 +7,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import equinox as eqx
 import jax
 
-from bd_core import Fingerprint, FingerprintMismatch, fingerprint, require_compatible
-from bd_data import ByteTokenizer, Example, HFTokenizer, get_task, iterate, load_jsonl, prompt_dataset, sft_dataset
+from bd_core import ConfigError, Fingerprint, FingerprintMismatch, fingerprint, require_compatible
+from bd_data import (
+    ByteTokenizer,
+    Example,
+    HFTokenizer,
+    TokenizerError,
+    get_task,
+    iterate,
+    load_jsonl,
+    prompt_dataset,
+    sft_dataset,
+)
 from bd_models import (
     BlockDiffusionLM,
     MeshError,
@@ -22,9 +33,14 @@ from bd_models import (
     SamplerConfig,
     SamplingDistribution,
     check_divisibility,
+    checkpoint_digest,
+    from_pretrained,
     init_sharded,
     make_mesh,
+    model_config_from_hf,
     param_partition_specs,
+    read_hf_config,
+    save_pretrained,
 )
 
 from .._checkpoint import Checkpointer, CheckpointError
@@ -112,8 +128,17 @@ class Run:
 
     @functools.cached_property
     def tokenizer(self):
-        path = self.config.tokenizer.path
-        return ByteTokenizer() if path is None else HFTokenizer(path)
+        """The byte tokenizer, the configured tokenizer.json, or the pretrained checkpoint's own
+        (the student's, else the teacher's), with its special tokens from its tokenizer_config.json."""
+        section = self.config.tokenizer
+        folders = [getattr(self.config, role).pretrained for role in ("student", "teacher")]
+        path = section.path or next((str(Path(f) / "tokenizer.json") for f in folders if f), None)
+        if path is None:
+            return ByteTokenizer()
+        named = _special_tokens(Path(path).parent / "tokenizer_config.json")
+        return HFTokenizer(path, mask_token=section.mask_token or named.get("mask_token", "<|mask|>"),
+                           eos_token=section.eos_token or named.get("eos_token", "<|endoftext|>"),
+                           add_mask_token=section.add_mask_token)
 
     @functools.cached_property
     def task(self):
@@ -153,8 +178,22 @@ class Run:
     # -- configs -------------------------------------------------------------------------------------
 
     def model_config(self, role: str) -> ModelConfig:
+        section = getattr(self.config, role)
+        if section.pretrained:
+            return model_config_from_hf(**self._pretrained_kwargs(role))
         return ModelConfig(vocab_size=self.tokenizer.vocab_size, block_size=self.config.canvas.block_size,
-                           **getattr(self.config, role).model_kwargs())
+                           **section.model_kwargs())
+
+    def _pretrained_kwargs(self, role: str) -> dict[str, Any]:
+        """How a pretrained role's checkpoint is read: the canvas's block size, the vocabulary grown
+        to the tokenizer's (an added mask token), the section's dtypes and execution fields."""
+        section = getattr(self.config, role)
+        raw = read_hf_config(section.pretrained)
+        kwargs = section.model_kwargs()
+        return dict(raw=raw, where=str(Path(section.pretrained) / "config.json"),
+                    block_size=self.config.canvas.block_size,
+                    vocab_size=max(int(raw.get("vocab_size", 0)), self.tokenizer.vocab_size),
+                    **{k: kwargs[k] for k in ("param_dtype", "compute_dtype", "attention", "remat")})
 
     def sampler_config(self, section: SamplerSection) -> SamplerConfig:
         canvas, tok = self.config.canvas, self.tokenizer
@@ -181,10 +220,14 @@ class Run:
         size, canvas and alignment."""
         tok, canvas = self.tokenizer, self.config.canvas
         architecture = {k: v for k, v in self.model_config(role).to_dict().items() if k not in EXECUTION_FIELDS}
+        pretrained = getattr(self.config, role).pretrained
+        extra: dict[str, Any] = {"pad_id": tok.pad_id, "eos_id": tok.eos_id, "prompt_len": canvas.prompt_len,
+                 "max_new_tokens": canvas.max_new_tokens}
+        if pretrained:  # where the weights started: the checkpoint's config and tensor headers
+            extra["pretrained"] = checkpoint_digest(pretrained)
         return model_identity(architecture, tokenizer=tok.identity, vocab_size=tok.vocab_size, mask_id=tok.mask_id,
                               block_size=canvas.block_size, canvas_policy=canvas.policy, alignment="target",
-                              extra={"pad_id": tok.pad_id, "eos_id": tok.eos_id, "prompt_len": canvas.prompt_len,
-                                     "max_new_tokens": canvas.max_new_tokens})
+                              extra=extra)
 
     def training(self, stage: str) -> Fingerprint:
         """What defines a stage's training beyond the model: the task, the seed and the stage's
@@ -229,6 +272,35 @@ class Run:
         make = lambda: BlockDiffusionLM(model_config, key=model_key)  # noqa: E731
         return TrainState.init(make() if mesh is None else init_sharded(make, mesh), optimizer, key=train_key)
 
+    def initial_state(self, role: str, model_config: ModelConfig, optimizer, *, key: jax.Array,
+                      mesh: jax.sharding.Mesh | None = None) -> TrainState:
+        """The state SFT starts from: the pretrained checkpoint's weights (read into their shards),
+        or a fresh model."""
+        folder = getattr(self.config, role).pretrained
+        if not folder:
+            return self.fresh_state(model_config, optimizer, key=key, mesh=mesh)
+        kwargs = {k: v for k, v in self._pretrained_kwargs(role).items() if k not in ("raw", "where")}
+        model = from_pretrained(folder, mesh=mesh, **kwargs)
+        if model.config != model_config:
+            raise StageError(f"{role}: the model read from {folder} is not the configured one "
+                             f"({model.config} vs {model_config})")
+        return TrainState.init(model, optimizer, key=jax.random.split(key)[1])
+
+    def export(self, model: BlockDiffusionLM, stage: str, role: str) -> Path:
+        """`model` as a Hugging Face checkpoint in `<run>/export/<stage>`: the pretrained source's
+        config keys kept, the block size and mask token id recorded, and the tokenizer as used."""
+        folder = Path(self.where.run_dir) / "export" / stage
+        source = getattr(self.config, role).pretrained
+        base = dict(read_hf_config(source)) if source else {}
+        tok = self.tokenizer
+        base.update(mask_token_id=tok.mask_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+        save_pretrained(model, folder, base_config=base)
+        if jax.process_index() == 0 and isinstance(tok, HFTokenizer):
+            tok.save(folder / "tokenizer.json")
+            names = {"mask_token": tok.token(tok.mask_id), "eos_token": tok.token(tok.eos_id)}
+            (folder / "tokenizer_config.json").write_text(json.dumps(names, indent=2) + "\n")
+        return folder
+
     def restore_model(self, directory: str | Path, model_config: ModelConfig, identity: Fingerprint, *, what: str,
                       mesh: jax.sharding.Mesh | None = None) -> Any:
         """The model saved in `directory` (its latest step), after checking its identity fingerprint
@@ -246,6 +318,25 @@ class Run:
             raise StageError(f"{what}: {err}") from None
         finally:
             checkpoints.close()
+
+
+def _special_tokens(file: Path) -> dict[str, str]:
+    """`mask_token` / `eos_token` as a tokenizer_config.json names them (a string, or an object
+    with `content`); empty when the file is absent."""
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise StageError(f"{file}: not valid JSON ({err}); restore it or delete it (the tokens then default "
+                         f"to <|mask|> and <|endoftext|>, or set [tokenizer] mask_token / eos_token)") from None
+    named = {}
+    for key in ("mask_token", "eos_token"):
+        value = raw.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            named[key] = value
+    return named
 
 
 def open_checkpoints(directory: str | Path, *, create: bool, max_to_keep: int | None = 2) -> Checkpointer:
@@ -271,8 +362,19 @@ def saved_identity(directory: str | Path) -> Fingerprint:
 
 def check_adopted(config: Any) -> None:
     """Before anything trains: every checkpoint the config adopts (`[teacher]/[student] checkpoint`)
-    must share the config's tokens and blocks, or the run is refused now, naming each field."""
+    must share the config's tokens and blocks, or the run is refused now, naming each field. The
+    tokenizer and the pretrained checkpoints' configs are read now too, and a teacher and student
+    whose output vocabularies differ (no distillation across them) are refused."""
     run = Run(config)
+    try:
+        _ = run.tokenizer  # loads and checks the special tokens
+        sizes = {role: run.model_config(role).vocab_size for role in ROLES if not getattr(run.config, role).checkpoint}
+    except (TokenizerError, ConfigError) as err:
+        raise StageError(str(err)) from None
+    if len(set(sizes.values())) > 1:
+        raise StageError(f"teacher vocab_size {sizes['teacher']} != student vocab_size {sizes['student']} (from "
+                         f"their config.json files): distillation compares the two output distributions token by "
+                         f"token; use checkpoints of one family (same vocab_size)")
     for role in ROLES:
         directory = getattr(run.config, role).checkpoint
         if directory:

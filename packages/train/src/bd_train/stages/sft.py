@@ -39,7 +39,7 @@ def run_sft(config: Any, where: RunDir, *, role: str, fail_after: int | None = N
     mesh = run.mesh(model_config, batch_size=cfg.sft.batch_size // cfg.sft.microbatches)
     optimizer = run.optimizer_config(cfg.sft.optim, steps)
     trainer = Trainer(sft_objective, make_optimizer(optimizer), TrainerConfig(microbatches=cfg.sft.microbatches))
-    state = run.fresh_state(model_config, trainer.optimizer, key=keys["init"], mesh=mesh)
+    state = run.initial_state(role, model_config, trainer.optimizer, key=keys["init"], mesh=mesh)
     data = run.sft_batches(stage)
 
     def step_fn(state, step):

@@ -1,0 +1,89 @@
+"""Pipeline runs that start from Hugging Face checkpoints: what is read, what is pinned, and what
+is refused at the start (before anything trains), by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from bd_core import ConfigError
+from bd_models import from_pretrained, read_hf_config
+from bd_train.stages import Run, StageError, check_adopted, parse_pipeline_config
+
+FIXTURES = Path(__file__).resolve().parents[2] / "models" / "tests" / "fixtures" / "hf"
+
+
+def _preset(teacher: Path, student: Path, **tokenizer) -> dict:
+    return {"task": {"name": "sort", "params": {"length": 4}},
+            "canvas": {"prompt_len": 16, "max_new_tokens": 8, "block_size": 4},
+            "teacher": {"pretrained": str(teacher)}, "student": {"pretrained": str(student)},
+            "tokenizer": tokenizer}
+
+
+def test_the_checkpoint_sets_architecture_tokenizer_and_start_weights():
+    run = Run(parse_pipeline_config(_preset(FIXTURES / "sdar", FIXTURES / "sdar")))
+    tok = run.tokenizer
+    assert tok.mask_id == 287 and tok.eos_id == 286 and tok.pad_id == tok.mask_id  # from tokenizer_config.json
+    config = run.model_config("student")
+    assert config.qk_norm and config.head_dim == 16 and config.vocab_size == 320 and config.block_size == 4
+    identity = run.identity("student").fields
+    assert identity["tokenizer"] == tok.identity and len(identity["pretrained"]) == 16
+    state = run.initial_state("student", config, _optimizer(), key=jax.random.key(0))
+    expected = from_pretrained(FIXTURES / "sdar")
+    for a, b in zip(jax.tree.leaves(state.model), jax.tree.leaves(expected), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def _optimizer():
+    from bd_train import make_optimizer
+    from bd_train._optim import OptimizerConfig
+
+    return make_optimizer(OptimizerConfig(learning_rate=1e-3))
+
+
+def test_changed_weights_change_the_identity(tmp_path):
+    folder = tmp_path / "sdar"
+    shutil.copytree(FIXTURES / "sdar", folder)
+    before = Run(parse_pipeline_config(_preset(folder, folder))).identity("student")
+    raw = read_hf_config(folder)
+    (folder / "config.json").write_text(json.dumps({**raw, "rms_norm_eps": 1e-5}))
+    after = Run(parse_pipeline_config(_preset(folder, folder))).identity("student")
+    assert before.fields["pretrained"] != after.fields["pretrained"]
+    assert before.fields["architecture"]["norm_eps"] != after.fields["architecture"]["norm_eps"]
+
+
+def test_teacher_and_student_with_different_tokenizers_are_refused_by_name():
+    with pytest.raises(ConfigError, match=r"teacher's .*qwen2/tokenizer.json.* and the student's .*sdar/tokenizer.json"
+                                          r".* differ"):
+        parse_pipeline_config(_preset(FIXTURES / "qwen2", FIXTURES / "sdar"))
+
+
+def test_output_vocabularies_must_agree_for_distillation():
+    config = parse_pipeline_config(_preset(FIXTURES / "sdar", FIXTURES / "qwen3"))  # one tokenizer, 320 vs 288 rows
+    with pytest.raises(StageError, match="teacher vocab_size 320 != student vocab_size 288"):
+        check_adopted(config)
+
+
+def test_a_tokenizer_without_a_mask_token_is_refused_unless_one_is_added():
+    config = parse_pipeline_config(_preset(FIXTURES / "llama", FIXTURES / "llama"))
+    with pytest.raises(StageError, match=r"llama/tokenizer.json' has no mask_token '<\|mask\|>'.*add_mask_token"):
+        check_adopted(config)
+    run = Run(parse_pipeline_config(_preset(FIXTURES / "llama", FIXTURES / "llama", add_mask_token=True)))
+    check_adopted(run.config)
+    assert run.tokenizer.mask_id == 287 and run.model_config("student").vocab_size == 288  # the file has 287 rows
+    assert run.identity("student").fields["tokenizer"].endswith("+<|mask|>")
+
+
+def test_bad_pretrained_folders_fail_on_load_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"student.pretrained: checkpoint folder .*nowhere.* does not exist"):
+        parse_pipeline_config(_preset(FIXTURES / "sdar", tmp_path / "nowhere"))
+    folder = tmp_path / "mixtral"
+    shutil.copytree(FIXTURES / "qwen2", folder)
+    (folder / "config.json").write_text(json.dumps({**read_hf_config(folder), "model_type": "mixtral"}))
+    with pytest.raises(ConfigError, match=r"teacher.pretrained: .*model_type 'mixtral' is not supported"):
+        parse_pipeline_config(_preset(folder, folder))
