@@ -38,5 +38,5 @@ clean:
 
 # Benchmarks print ratios measured in one process and refresh their section of BENCHMARKS.md.
 bench: sync
-	@for f in bench/train_step.py bench/sampling.py bench/sft_weighting.py bench/remat.py; do \
+	@for f in bench/train_step.py bench/sampling.py bench/sft_weighting.py bench/remat.py bench/import_memory.py; do \
 	  if [ -f $$f ]; then echo "== $$f"; $(RUN) python $$f || exit 1; fi; done

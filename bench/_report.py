@@ -19,16 +19,17 @@ def write_results(name: str, results: dict) -> None:
     path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
-def write_section(name: str, body: str) -> None:
-    """Replace this benchmark's section of BENCHMARKS.md (append it if missing), nothing else."""
+def write_section(name: str, body: str, markdown: Path = MARKDOWN) -> None:
+    """Replace this benchmark's section of `markdown` (BENCHMARKS.md unless given; appended if
+    missing), nothing else."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     section = f"{start}\n{body.strip()}\n{end}"
-    text = MARKDOWN.read_text() if MARKDOWN.exists() else "# bdlm benchmarks\n"
+    text = markdown.read_text() if markdown.exists() else "# bdlm benchmarks\n"
     if start in text and end in text:
         text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: section, text, flags=re.S)
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
-    MARKDOWN.write_text(text)
+    markdown.write_text(text)
 
 
 def preset_data(base: dict, *, seed: int, output_dir: str | Path, **sections: dict) -> dict:

@@ -158,6 +158,20 @@ def test_vocabulary_grows_with_mean_rows():
         from_pretrained(FIXTURES / "llama", block_size=4, vocab_size=10)
 
 
+def test_an_added_token_inside_padded_rows_gets_the_mean_row():
+    """SDAR's file has 320 rows for 288 tokens: a token added at id 288 reuses a padded row, set
+    to the mean of the 288 real ones."""
+    base = from_pretrained(FIXTURES / "sdar")
+    added = from_pretrained(FIXTURES / "sdar", new_rows_from=288)
+    assert added.config == base.config and base.lm_head is not None and added.lm_head is not None
+    np.testing.assert_allclose(added.embedding[288:], np.broadcast_to(base.embedding[:288].mean(0), (32, 32)),
+                               atol=1e-6)
+    np.testing.assert_allclose(added.lm_head[:, 300], base.lm_head[:, :288].mean(1), atol=1e-6)
+    np.testing.assert_array_equal(added.embedding[:288], base.embedding[:288])
+    with pytest.raises(PretrainedError, match="new_rows_from=400 must be in 1..320"):
+        from_pretrained(FIXTURES / "sdar", new_rows_from=400)
+
+
 # --- what a new user gets wrong: one message naming the file or tensor and the fix --------------
 
 def _copy(tmp_path: Path, arch: str) -> Path:

@@ -2,11 +2,11 @@
 single file or sharded with its index) in and out, through safetensors' numpy API (no torch).
 
 Import builds every parameter straight into its shards: each device's shard is read from the files
-as a slice (`safe_open(...).get_slice`), so no host holds more than one tensor slice at a time,
-on any number of processes. Linear weights are stored `[out, in]` in the files and `[in, out]`
-here; per-layer tensors are stacked on the leading layer axis. A vocabulary grown past the file's
-(an added mask token) gets new embedding (and untied head) rows equal to the mean of the existing
-rows. Export writes the same names back, sharded past `max_shard_bytes`; import -> export -> import
+as a slice (`safe_open(...).get_slice`), so besides the parameters a host holds one leaf's slices
+at a time, on any number of processes (bench/import_memory.py measures it). Linear weights are
+stored `[out, in]` in the files and `[in, out]` here; per-layer tensors are stacked on the leading
+layer axis. Added tokens (a mask token) get embedding (and untied head) rows equal to the mean of
+the existing rows. Export writes the same names back, sharded past `max_shard_bytes`; import -> export -> import
 is bit-exact.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +83,10 @@ def checkpoint_digest(path: str | Path) -> str:
 
 
 class _Tensors:
-    """Every tensor of a checkpoint folder by name: (file, shape, dtype) from the headers, and
-    slices read on demand from files kept open for the duration of an import."""
+    """Every tensor of a checkpoint folder by name: (file, shape) from the headers, and slices
+    read on demand. Each read opens its file anew: safetensors maps files into memory, and pages
+    touched through a mapping held open for the whole import would count as the process's
+    memory until the end (measured: the peak doubled, file pages on top of the parameters)."""
 
     def __init__(self, path: Path):
         from safetensors import safe_open
@@ -103,38 +104,33 @@ class _Tensors:
         else:
             raise PretrainedError(f"{str(path)!r} has neither {SINGLE} nor {INDEX}; bdlm reads safetensors weights "
                                   f"(convert .bin/.pt checkpoints with transformers' save_pretrained first)")
+        self.path = path
         self.where: dict[str, str] = {}
         self.shape: dict[str, tuple[int, ...]] = {}
-        self._stack = ExitStack()
-        self._open: dict[str, Any] = {}
         for name in files:
             file = path / name
             if not file.is_file():
                 raise PretrainedError(f"shard {str(file)!r} named in {INDEX} is missing; download or copy every "
                                       f"shard the index lists")
             try:
-                handle = self._stack.enter_context(safe_open(str(file), framework="numpy"))
-                keys = list(handle.keys())
-                shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in keys}
+                with safe_open(str(file), framework="numpy") as handle:
+                    shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
             except Exception as err:  # safetensors raises its own error type for a damaged header or size
-                self.close()
                 raise PretrainedError(f"{str(file)!r} is not a readable safetensors file ({err}); it is truncated or "
                                       f"damaged: download or export it again") from None
-            self._open[name] = handle
-            for key in keys:
-                self.where[key], self.shape[key] = name, shapes[key]
+            for key, shape in shapes.items():
+                self.where[key], self.shape[key] = name, shape
         if index.is_file():
             misplaced = sorted(k for k, f in weight_map.items() if self.where.get(k) != f)
             if misplaced:
-                self.close()
                 raise PretrainedError(f"{str(index)!r} lists tensors its shards do not hold: {misplaced[:5]}; the "
                                       f"folder mixes files of different checkpoints: download it again")
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        return np.asarray(self._open[self.where[name]].get_slice(name)[index])
+        from safetensors import safe_open
 
-    def close(self) -> None:
-        self._stack.close()
+        with safe_open(str(self.path / self.where[name]), framework="numpy") as handle:
+            return np.array(handle.get_slice(name)[index], copy=True)
 
 
 def _file_names(config: ModelConfig) -> dict[str, tuple[str, int]]:
@@ -185,12 +181,13 @@ def _check_tensors(tensors: _Tensors, config: ModelConfig, abstract_leaves: Mapp
                               f"wrong: use the config.json that was saved with these weights")
 
 
-def _reader(tensors: _Tensors, leaf: str, config: ModelConfig, file_vocab: int, dtype,
+def _reader(tensors: _Tensors, leaf: str, config: ModelConfig, kept_rows: int, dtype,
             mean_row: Callable[[], np.ndarray]) -> Callable[[tuple[slice, ...]], np.ndarray]:
-    """The callback `jax.make_array_from_callback` calls with one shard's index."""
+    """The callback `jax.make_array_from_callback` calls with one shard's index. For the
+    vocabulary leaves, rows from `kept_rows` on are `mean_row()`."""
     layered = leaf in _LAYER
     name, transposed = _LAYER[leaf] if layered else _TOP[leaf]
-    grows = leaf in _VOCAB_ROWS and config.vocab_size > file_vocab
+    grows = leaf in _VOCAB_ROWS and config.vocab_size > kept_rows
     vocab_axis = 0 if leaf == "embedding" else 1
 
     def one(file_name: str, index: tuple[slice, ...]) -> np.ndarray:
@@ -200,7 +197,7 @@ def _reader(tensors: _Tensors, leaf: str, config: ModelConfig, file_vocab: int, 
             return part.T if transposed else part
         # Rows (columns for the head) past the file's vocabulary are the mean of its rows.
         rows = range(config.vocab_size)[index[vocab_axis]]
-        kept = [r for r in rows if r < file_vocab]
+        kept = [r for r in rows if r < kept_rows]
         other = index[1 - vocab_axis]
         file_rows = slice(kept[0], kept[-1] + 1) if kept else slice(0, 0)
         file_index = (file_rows, other) if leaf == "embedding" else (other, file_rows)
@@ -214,9 +211,9 @@ def _reader(tensors: _Tensors, leaf: str, config: ModelConfig, file_vocab: int, 
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
         if not layered:
-            return one(name, index).astype(dtype)
+            return one(name, index).astype(dtype, copy=False)
         layers = range(config.n_layers)[index[0]]
-        return np.stack([one(f"model.layers.{i}.{name}", index[1:]) for i in layers]).astype(dtype)
+        return np.stack([one(f"model.layers.{i}.{name}", index[1:]) for i in layers]).astype(dtype, copy=False)
 
     return read
 
@@ -241,13 +238,15 @@ def _mean_row(tensors: _Tensors, name: str, rows: int) -> Callable[[], np.ndarra
 
 
 def from_pretrained(path: str | Path, *, block_size: int | None = None, vocab_size: int | None = None,
-                    param_dtype: str = "float32", compute_dtype: str | None = None, mesh: Mesh | None = None,
-                    **overrides: Any) -> BlockDiffusionLM:
+                    new_rows_from: int | None = None, param_dtype: str = "float32", compute_dtype: str | None = None,
+                    mesh: Mesh | None = None, **overrides: Any) -> BlockDiffusionLM:
     """A `BlockDiffusionLM` from a Hugging Face checkpoint folder (Qwen3, SDAR, Qwen2, Fast-dLLM v2,
     Llama). `block_size` defaults to the config's (SDAR, Fast-dLLM v2) and is required otherwise;
-    `vocab_size` larger than the file's grows the embedding (and untied head) with mean rows;
-    with `mesh` every parameter is built in its shards. `overrides`: ModelConfig run-time fields
-    (attention, q_tile, k_tile, remat)."""
+    `vocab_size` larger than the file's grows the embedding (and untied head). Rows from
+    `new_rows_from` (default: the file's vocabulary size) on are new tokens: they are set to the
+    mean of the rows before them (an added mask token may fall inside a checkpoint's padded rows,
+    as it does for Qwen3's 151,936 rows and 151,669 tokens). With `mesh` every parameter is built
+    in its shards. `overrides`: ModelConfig run-time fields (attention, q_tile, k_tile, remat)."""
     path = Path(path)
     raw = read_hf_config(path)
     where = str(path / "config.json")
@@ -255,6 +254,10 @@ def from_pretrained(path: str | Path, *, block_size: int | None = None, vocab_si
     if vocab_size is not None and vocab_size < file_vocab:
         raise PretrainedError(f"from_pretrained: vocab_size={vocab_size} is smaller than the checkpoint's "
                               f"{file_vocab}; pass None (keep it) or a larger size (to add tokens)")
+    if new_rows_from is not None and not 0 < new_rows_from <= file_vocab:
+        raise PretrainedError(f"from_pretrained: new_rows_from={new_rows_from} must be in 1..{file_vocab} (the "
+                              f"checkpoint's rows); it is the first id of the added tokens")
+    kept_rows = file_vocab if new_rows_from is None else new_rows_from
     config = model_config_from_hf(raw, where=where, block_size=block_size, vocab_size=vocab_size,
                                   param_dtype=param_dtype, compute_dtype=compute_dtype, **overrides)
     abstract = eqx.filter_eval_shape(lambda: BlockDiffusionLM(config, key=jax.random.key(0)))
@@ -263,26 +266,23 @@ def from_pretrained(path: str | Path, *, block_size: int | None = None, vocab_si
     specs = param_partition_specs(abstract, mesh)
     leaves = {str(getattr(p[-1], "name", p[-1])): x for p, x in jax.tree_util.tree_leaves_with_path(abstract)}
     tensors = _Tensors(path)
-    try:
-        _check_tensors(tensors, config, leaves, file_vocab, path)
-        means: dict[str, Callable[[], np.ndarray]] = {}
-        for leaf in _VOCAB_ROWS:
-            if leaf in leaves:
-                means[leaf] = _mean_row(tensors, _TOP[leaf][0], file_vocab)
+    _check_tensors(tensors, config, leaves, file_vocab, path)
+    means: dict[str, Callable[[], np.ndarray]] = {}
+    for leaf in _VOCAB_ROWS:
+        if leaf in leaves:
+            means[leaf] = _mean_row(tensors, _TOP[leaf][0], kept_rows)
 
-        def build(path_, shape_dtype, spec):
-            leaf = str(getattr(path_[-1], "name", path_[-1]))
-            read = _reader(tensors, leaf, config, file_vocab, shape_dtype.dtype, means.get(leaf, lambda: np.zeros(0)))
-            if mesh is None:
-                return jnp.asarray(read(tuple(slice(0, n) for n in shape_dtype.shape)))
-            return jax.make_array_from_callback(shape_dtype.shape, NamedSharding(mesh, spec),
-                                                lambda index: read(tuple(index)))  # pyright: ignore[reportArgumentType]
+    def build(path_, shape_dtype, spec):
+        leaf = str(getattr(path_[-1], "name", path_[-1]))
+        read = _reader(tensors, leaf, config, kept_rows, shape_dtype.dtype, means.get(leaf, lambda: np.zeros(0)))
+        if mesh is None:
+            return jnp.asarray(read(tuple(slice(0, n) for n in shape_dtype.shape)))
+        return jax.make_array_from_callback(shape_dtype.shape, NamedSharding(mesh, spec),
+                                            lambda index: read(tuple(index)))  # pyright: ignore[reportArgumentType]
 
-        arrays, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-        built = jax.tree_util.tree_map_with_path(build, arrays, specs)
-        return eqx.combine(built, static)
-    finally:
-        tensors.close()
+    arrays, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    built = jax.tree_util.tree_map_with_path(build, arrays, specs)
+    return eqx.combine(built, static)
 
 
 def _named_tensors(model: BlockDiffusionLM) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:

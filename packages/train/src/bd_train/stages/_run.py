@@ -280,7 +280,8 @@ class Run:
         if not folder:
             return self.fresh_state(model_config, optimizer, key=key, mesh=mesh)
         kwargs = {k: v for k, v in self._pretrained_kwargs(role).items() if k not in ("raw", "where")}
-        model = from_pretrained(folder, mesh=mesh, **kwargs)
+        added = getattr(self.tokenizer, "added_mask", False)  # its row: the mean of the tokens' rows
+        model = from_pretrained(folder, mesh=mesh, new_rows_from=self.tokenizer.mask_id if added else None, **kwargs)
         if model.config != model_config:
             raise StageError(f"{role}: the model read from {folder} is not the configured one "
                              f"({model.config} vs {model_config})")
