@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import ROOT, write_results, write_section  # noqa: E402
 
-CONFIG = dict(vocab_size=32000, d_model=2048, n_layers=12, n_heads=16, n_kv_heads=8, d_ff=5632, block_size=4,
-              head_dim=128, qk_norm=True, tie_embeddings=False, rope_theta=1e6)
+CONFIG: dict = dict(vocab_size=32000, d_model=2048, n_layers=12, n_heads=16, n_kv_heads=8, d_ff=5632, block_size=4,
+                    head_dim=128, qk_norm=True, tie_embeddings=False, rope_theta=1e6)
 
 MEASURE = r"""
 import json, sys, time
