@@ -1,8 +1,11 @@
-"""The Metaflow pipeline on the smoke preset, run for real through the Runner API.
+"""The Metaflow pipeline run for real through the Runner API, on flows/configs/pretrained.toml:
+every stage starts from a Hugging Face checkpoint folder (the tiny SDAR-format fixture) and is
+exported back as one. (tests/test_parallel_flow.py runs the flow on models trained from scratch.)
 
 One run is made to fail inside GRPO (after a checkpoint) and is finished by `resume`: that run
-proves the whole flow, the W&B offline logs, the cards and resume at once. A second run adopts a
-teacher checkpoint with another block size and must fail closed at the start, before anything trains.
+proves the whole flow, the import and the exports, the W&B offline logs, the cards and resume at
+once. A second run adopts a teacher checkpoint with another block size and must fail closed at the
+start, before anything trains.
 """
 
 import base64
@@ -12,16 +15,33 @@ import re
 import struct
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from metaflow import Runner
 
+from bd_core import ViewLayout
+from bd_models import BlockDiffusionLM, from_pretrained, read_hf_config
 from bd_train import Checkpointer, make_optimizer
 from bd_train.stages import Run, parse_pipeline_config
 
-SMOKE = Path(__file__).resolve().parents[1] / "flows" / "configs" / "smoke.toml"
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "flows" / "configs" / "smoke.toml"
+PRETRAINED = ROOT / "flows" / "configs" / "pretrained.toml"
+
+
+def absolute_preset(preset: Path, out: Path) -> Path:
+    """The preset with its checkpoint folders made absolute (the flow runs in a temp dir)."""
+    lines = [f'pretrained = "{ROOT / line.split(chr(34))[1]}"' if line.startswith("pretrained = ") else line
+             for line in preset.read_text().splitlines()]
+    out.write_text("\n".join(lines) + "\n")
+    assert Path(tomllib.loads(out.read_text())["student"]["pretrained"]).is_dir()
+    return out
 
 
 def wandb_records(path: Path):
@@ -61,10 +81,37 @@ def wandb_runs(root: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory, flow_runs):
-    """Smoke flow that crashes after GRPO update 2 (checkpoint saved), then `resume`."""
+    """The pretrained flow, crashed after GRPO update 2 (checkpoint saved), then `resume`."""
     cwd = tmp_path_factory.mktemp("pipeline")
-    run, origin = flow_runs.crash_and_resume(SMOKE, cwd, fault="grpo:2")
+    run, origin = flow_runs.crash_and_resume(absolute_preset(PRETRAINED, cwd / "pretrained.toml"), cwd,
+                                             fault="grpo:2")
     return cwd, run, origin
+
+
+def test_exports_read_back_with_the_trained_logits(resumed_run):
+    cwd, _, _ = resumed_run
+    config = parse_pipeline_config((cwd / "pretrained.toml").read_text())
+    run_dir = next((cwd / "runs" / "pipeline").iterdir())
+    assert sorted(p.name for p in (run_dir / "export").iterdir()) == ["grpo", "opd", "sft-student", "sft-teacher"]
+    export = run_dir / "export" / "grpo"
+    exported = from_pretrained(export)
+    assert read_hf_config(export)["model_type"] == "sdar" and read_hf_config(export)["mask_token_id"] == 287
+    assert (export / "tokenizer.json").is_file()
+    setup = Run(config)
+    target = eqx.filter_eval_shape(BlockDiffusionLM, setup.model_config("student"), key=jax.random.key(0))
+    with Checkpointer(run_dir / "checkpoints" / "grpo", create=False) as checkpoints:
+        trained = checkpoints.restore_model(target, fingerprints={"identity": setup.identity("student")})
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(exported), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    start = from_pretrained(config["student"]["pretrained"])
+    moved = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(start)))
+    assert moved > 1e-4  # the stages trained the imported weights
+    ids = np.arange(2 * 16).reshape(2, 16) % 280
+    pos = np.broadcast_to(np.arange(16), (2, 16))
+    layout = ViewLayout(jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(pos // 4), jnp.zeros((2, 16), jnp.int32),
+                        jnp.ones((2, 16), bool))
+    np.testing.assert_array_equal(np.asarray(trained(layout)), np.asarray(exported(layout)))
+    assert from_pretrained(run_dir / "export" / "sft-teacher").config == exported.config
 
 
 def test_resume_continues_grpo_from_its_latest_checkpoint(resumed_run):
