@@ -9,7 +9,7 @@ export UV_NO_CONFIG := 1
 RUN := $(UV) run --no-sync
 PKG_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml)
 
-.PHONY: sync test lint run bench clean
+.PHONY: sync test lint run bench clean interop
 sync: .venv/.synced
 
 $(UV):
@@ -34,7 +34,15 @@ lint: sync
 	$(RUN) pyright
 
 clean:
-	rm -rf .venv .tools
+	rm -rf .venv .tools .interop
+
+# Opt-in: bdlm against transformers itself (logits of the committed fixtures, and transformers
+# loading bdlm's exports), in a separate venv with torch (CPU) and transformers; never in .venv.
+interop:
+	test -x .interop/bin/python || $(PYTHON) -m venv .interop
+	.interop/bin/pip install --quiet torch==2.13.0
+	.interop/bin/pip install --quiet transformers==5.24.0 -e packages/core -e packages/models
+	.interop/bin/python packages/models/tests/fixtures/hf/check_live.py
 
 # Benchmarks print ratios measured in one process and refresh their section of BENCHMARKS.md.
 bench: sync

@@ -117,7 +117,12 @@ def hf_config(config: ModelConfig, model_type: str, *, base: Mapping[str, Any] |
         raise PretrainedError(f"save_pretrained: a model with qk_norm={config.qk_norm}, qkv_bias={config.qkv_bias} "
                               f"is not a {model_type} (which has qk_norm={want[0]}, qkv_bias={want[1]}); export it "
                               f"as {_layout_for(config)}")
-    out = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "layer_types", "dtype")}
+    # Run-time choices and the 5.x-only keys never carry over; another model_type drops the
+    # source's custom-code map (SDAR's auto_map names modeling files the export does not have).
+    dropped = {"rope_parameters", "layer_types", "dtype", "attn_implementation"}
+    if base and base.get("model_type") != model_type:
+        dropped.add("auto_map")
+    out = {k: v for k, v in (base or {}).items() if k not in dropped}
     scaling = config.rope_scaling
     out.update({
         "architectures": [ARCHITECTURES[model_type][1]], "model_type": model_type,
