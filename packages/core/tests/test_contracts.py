@@ -47,9 +47,8 @@ def make_batch(**overrides):
 def test_layout_errors_name_the_field(field, bad, message):
     arrays = layout_arrays()
     arrays[field] = bad
-    layout = ViewLayout(**{k: jnp.asarray(v) for k, v in arrays.items()})
-    with pytest.raises(ContractError, match=message):
-        layout.validate()
+    with pytest.raises(ContractError, match=message):  # shapes and dtypes on construction, values in validate()
+        ViewLayout(**{k: jnp.asarray(v) for k, v in arrays.items()}).validate()
 
 
 @pytest.mark.parametrize(
@@ -148,3 +147,20 @@ def test_attention_rule_on_a_two_view_layout():
         [0, 0, 0, 0, 0, 0],  # an invalid query sees nothing
     ])
     np.testing.assert_array_equal(allowed, expected)
+
+
+def test_direct_construction_from_arrays_checks_shapes_and_dtypes():
+    """`DiffusionTokenBatch(...)` / `ViewLayout(...)` built directly used to skip every check."""
+    batch = make_batch()
+    with pytest.raises(ContractError, match=r"DiffusionTokenBatch\.targets: expected an integer dtype"):
+        DiffusionTokenBatch(batch.layout, np.asarray(batch.targets, np.float32), batch.weights, batch.denom_weights)
+    with pytest.raises(ContractError, match=r"DiffusionTokenBatch\.weights"):
+        DiffusionTokenBatch(batch.layout, batch.targets, np.asarray(batch.weights)[:, :-1], batch.denom_weights)
+    layout = batch.layout
+    with pytest.raises(ContractError, match=r"ViewLayout\.valid"):
+        type(layout)(layout.tokens, layout.positions, layout.block_ids, layout.view_ids, np.asarray(layout.tokens))
+    # Pytree code still rebuilds contracts from other leaves: vmapped rows, specs, sentinels.
+    rows = jax.vmap(lambda b: b)(batch)
+    assert isinstance(rows, DiffusionTokenBatch)
+    specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec("data"), batch)
+    assert isinstance(specs, DiffusionTokenBatch)

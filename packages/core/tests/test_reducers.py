@@ -105,3 +105,15 @@ def test_metrics_pass_through_jit_and_vmap():
     assert out.eps == 0.0 and out.compute() == 0.75
     per_row = jax.vmap(lambda m: m.compute())(metric)
     np.testing.assert_allclose(per_row, [0.5, 1.0])
+
+
+def test_max_metric_is_the_global_maximum_for_any_split():
+    from bd_core import MaxMetric
+
+    values = jnp.array([0.5, 3.0, 1.0, 2.0])
+    whole = reduce_metrics([{"m": MaxMetric(jnp.max(values))}])["m"]
+    parts = reduce_metrics([{"m": MaxMetric(jnp.max(values[:1]))}, {"m": MaxMetric(jnp.max(values[1:]))}])["m"]
+    stacked = reduce_metrics({"m": MaxMetric(jnp.array([0.5, 3.0]))})["m"]  # a scanned microbatch axis
+    assert float(whole) == float(parts) == float(stacked) == 3.0
+    with pytest.raises(MetricError, match="changes kind"):
+        reduce_metrics([{"m": MaxMetric(jnp.array(1.0))}, {"m": jnp.array(1.0)}])

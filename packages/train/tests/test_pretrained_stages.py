@@ -1,5 +1,5 @@
 """Pipeline runs that start from Hugging Face checkpoints: what is read, what is pinned, and what
-is refused at the start (before anything trains), by name."""
+is refused at the start (before anything trains), by name; the user's JSONL is checked there too."""
 
 from __future__ import annotations
 
@@ -87,3 +87,27 @@ def test_bad_pretrained_folders_fail_on_load_naming_the_key(tmp_path):
     (folder / "config.json").write_text(json.dumps({**read_hf_config(folder), "model_type": "mixtral"}))
     with pytest.raises(ConfigError, match=r"teacher.pretrained: .*model_type 'mixtral' is not supported"):
         parse_pipeline_config(_preset(folder, folder))
+
+
+def test_a_hugging_face_folder_is_evaluated_with_a_preset(tmp_path):
+    from bd_train.evaluate import evaluate, main
+
+    preset = (Path(__file__).resolve().parents[3] / "flows" / "configs" / "pretrained.toml").read_text()
+    first = evaluate(FIXTURES / "sdar", config=preset, samples=2, n=4, thresholds=(0.9,))
+    again = evaluate(FIXTURES / "sdar", config=preset, samples=2, n=4, thresholds=(0.9,))
+    assert first["n"] == 4 and set(first["pass_at_k"]) == {"pass@1", "pass@2"}
+    assert [p["decoding"] for p in first["accuracy_vs_nfe"]] == ["τ 0.9", "one per step"]
+    strip = lambda r: [{k: v for k, v in p.items() if k != "tokens_per_second"} for p in r["accuracy_vs_nfe"]]  # noqa: E731
+    assert (first["greedy"], first["pass_at_k"], strip(first)) == (again["greedy"], again["pass_at_k"], strip(again))
+    assert main(["--checkpoint", str(FIXTURES / "sdar")]) == 2  # a HF folder needs --config, said in one line
+
+
+def test_a_malformed_jsonl_line_is_refused_at_the_start_naming_file_and_line(tmp_path):
+    """It used to fail 16-27 s in, inside the SFT step, as two raw tracebacks."""
+    good = tmp_path / "eval.jsonl"
+    good.write_text('{"prompt": "3 1 2=", "completion": "1 2 3"}\n')
+    bad = tmp_path / "train.jsonl"
+    bad.write_text('{"prompt": "3 1 2=", "completion": "1 2 3"}\n{"prompt": "2 1=", "completion": \n')
+    config = parse_pipeline_config({"task": {"train_jsonl": str(bad), "eval_jsonl": str(good)}})
+    with pytest.raises(StageError, match=r"train.jsonl:2"):
+        check_adopted(config)

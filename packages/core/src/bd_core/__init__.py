@@ -31,6 +31,7 @@ from ._mask import TokenMeta as TokenMeta
 from ._mask import allowed as allowed
 from ._mask import attention_allowed as attention_allowed
 from ._reducers import LossOutput as LossOutput
+from ._reducers import MaxMetric as MaxMetric
 from ._reducers import MetricError as MetricError
 from ._reducers import WeightedMetric as WeightedMetric
 from ._reducers import as_loss_output as as_loss_output

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.core  # named so that `jax.core.Tracer` resolves statically
 import jax.numpy as jnp
 import numpy as np
 
@@ -31,6 +32,15 @@ from ._validate import (
 Array = jax.Array
 
 CLEAN_VIEW = 0
+
+
+def _holds_arrays(contract: Any) -> bool:
+    """Every leaf is a numpy or jax array that is not a tracer. Pytree code rebuilds contracts
+    with other leaves (tracers under jit/vmap, where a vmapped row is rank 1; partition specs;
+    sentinels), and those are not checked on construction."""
+    leaves = jax.tree_util.tree_leaves(contract)
+    return bool(leaves) and all(isinstance(x, (np.ndarray, jax.Array)) and not isinstance(x, jax.core.Tracer)
+                                for x in leaves)
 
 
 @jax.tree_util.register_dataclass
@@ -63,14 +73,30 @@ class ViewLayout:
     def shape(self) -> tuple[int, int]:
         return tuple(np.shape(self.tokens))  # type: ignore[return-value]
 
-    def validate(self) -> ViewLayout:
+    def __post_init__(self):
+        if _holds_arrays(self):  # built from arrays here (not tracers, specs or sentinels): check the structure
+            self._check_structure(stacked=True)
+
+    def _check_structure(self, *, stacked: bool = False) -> tuple[int, ...]:
+        """Every field `[B, T]` (with `stacked`, `[..., B, T]`: microbatches stack on a leading
+        axis) of the right dtype."""
         owner = "ViewLayout"
-        shape = check_rank(owner, "tokens", self.tokens, 2, "B, T")
+        shape = tuple(np.shape(self.tokens))
+        ranks = {np.ndim(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        if not (stacked and len(shape) > 2 and len(ranks) == 1):
+            shape = check_rank(owner, "tokens", self.tokens, 2, "B, T")
         for name in ("tokens", "positions", "block_ids", "view_ids"):
             check_shape(owner, name, getattr(self, name), shape, "B, T")
             check_int(owner, name, getattr(self, name))
         check_shape(owner, "valid", self.valid, shape, "B, T")
         check_bool(owner, "valid", self.valid)
+        return shape
+
+    def validate(self) -> ViewLayout:
+        """Shapes and dtypes (also checked on construction from arrays), then values where they
+        can be read."""
+        owner = "ViewLayout"
+        self._check_structure()
         if is_concrete(self):
             valid = np.asarray(self.valid)
             for name in ("positions", "block_ids", "view_ids"):
@@ -112,17 +138,27 @@ class DiffusionTokenBatch:
     def shape(self) -> tuple[int, int]:
         return self.layout.shape
 
-    def validate(self, *, vocab_size: int | None = None) -> DiffusionTokenBatch:
+    def __post_init__(self):
+        if _holds_arrays(self):  # built from arrays here (not tracers, specs or sentinels): check the structure
+            self._check_structure(stacked=True)
+
+    def _check_structure(self, *, stacked: bool = False) -> None:
         owner = "DiffusionTokenBatch"
         if not isinstance(self.layout, ViewLayout):
             raise ContractError(f"{owner}.layout: expected a ViewLayout, got {type(self.layout).__name__}")
-        self.layout.validate()
-        shape = self.layout.shape
+        shape = self.layout._check_structure(stacked=stacked)
         check_shape(owner, "targets", self.targets, shape, "B, T")
         check_int(owner, "targets", self.targets)
         for name in ("weights", "denom_weights"):
             check_shape(owner, name, getattr(self, name), shape, "B, T")
             check_real_or_bool(owner, name, getattr(self, name))
+
+    def validate(self, *, vocab_size: int | None = None) -> DiffusionTokenBatch:
+        """Shapes and dtypes (also checked on construction from arrays), then values where they
+        can be read: weights finite and >= 0, active targets in the vocabulary and valid."""
+        owner = "DiffusionTokenBatch"
+        self._check_structure()
+        self.layout.validate()
         if is_concrete(self):
             check_finite_nonneg(owner, "weights", self.weights)
             check_finite_nonneg(owner, "denom_weights", self.denom_weights)

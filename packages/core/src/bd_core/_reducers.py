@@ -76,17 +76,27 @@ class WeightedMetric:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class MaxMetric:
+    """A maximum, reduced globally: the largest `value` over every microbatch and device (a mean
+    of per-microbatch maxima would depend on the split)."""
+
+    value: Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class LossOutput:
     """What every objective returns: the loss as a weighted metric, plus aux metrics.
 
-    Aux values are `WeightedMetric`s (reduced globally) or plain arrays (averaged).
+    Aux values are `WeightedMetric`s (reduced globally), `MaxMetric`s (the global maximum) or plain
+    arrays (averaged).
     """
 
     loss: WeightedMetric
     aux: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-Metric = WeightedMetric | Array | np.ndarray | float | int
+Metric = WeightedMetric | MaxMetric | Array | np.ndarray | float | int
 
 
 def as_loss_output(value: LossOutput | Metric) -> LossOutput:
@@ -113,7 +123,7 @@ def _check_settings(a: WeightedMetric, b: WeightedMetric, key: str) -> None:
 
 
 def _kind(value: Any) -> str:
-    return "weighted" if isinstance(value, WeightedMetric) else "plain"
+    return "weighted" if isinstance(value, WeightedMetric) else "max" if isinstance(value, MaxMetric) else "plain"
 
 
 def reduce_metrics(buffer: Sequence[Mapping[str, Metric]] | Mapping[str, Metric]) -> dict[str, Array]:
@@ -126,6 +136,7 @@ def reduce_metrics(buffer: Sequence[Mapping[str, Metric]] | Mapping[str, Metric]
     entries = [buffer] if isinstance(buffer, Mapping) else list(buffer)
     kinds: dict[str, str] = {}
     weighted: dict[str, WeightedMetric] = {}
+    maxima: dict[str, Array] = {}
     plain: dict[str, list[Array]] = {}
     for index, entry in enumerate(entries):
         for key, value in entry.items():
@@ -141,8 +152,12 @@ def reduce_metrics(buffer: Sequence[Mapping[str, Metric]] | Mapping[str, Metric]
                     _check_settings(weighted[key], total, key)
                     total = weighted[key] + total
                 weighted[key] = total
+            elif isinstance(value, MaxMetric):
+                top = jnp.max(jnp.asarray(value.value, jnp.float32))
+                maxima[key] = top if key not in maxima else jnp.maximum(maxima[key], top)
             else:
                 plain.setdefault(key, []).append(jnp.mean(jnp.asarray(value, jnp.float32)))
     out: dict[str, Array] = {key: metric.compute() for key, metric in weighted.items()}
+    out.update(maxima)
     out.update({key: jnp.mean(jnp.stack(values)) for key, values in plain.items()})
     return out

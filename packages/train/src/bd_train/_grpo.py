@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from bd_core import DiffusionTokenBatch, LossOutput, RolloutOutput, WeightedMetric, config_error
+from bd_core import DiffusionTokenBatch, LossOutput, MaxMetric, RolloutOutput, WeightedMetric, config_error
 from bd_models import SamplingDistribution, token_logprobs
 
 ArrayLike = Array | np.ndarray
@@ -139,7 +139,7 @@ def grpo_objective(new_logp: Float[Array, "B T"], old_logp: Float[ArrayLike, "B 
     clipped = ((ratio < low) & (adv < 0)) | ((ratio > high) & (adv > 0))
     aux.update(
         ratio_mean=WeightedMetric(jnp.sum(m * ratio), count),
-        ratio_max=jnp.max(jnp.where(active, ratio, -jnp.inf), initial=0.0),
+        ratio_max=MaxMetric(jnp.max(jnp.where(active, ratio, -jnp.inf), initial=0.0)),
         clip_fraction=WeightedMetric(jnp.sum(m * clipped), count),
         replay_drift=WeightedMetric(jnp.sum(m * jnp.abs(jnp.where(active, new_logp - old_logp, 0.0))), count),
         advantage_mean=WeightedMetric(jnp.sum(jnp.where(has_tokens, adv[:, 0], 0.0)),

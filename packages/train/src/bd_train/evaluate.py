@@ -1,13 +1,15 @@
-"""Evaluate any checkpoint a bdlm stage wrote, on its own:
+"""Evaluate any checkpoint a bdlm stage wrote, or a Hugging Face checkpoint folder, on its own:
 
     python -m bd_train.evaluate --checkpoint runs/pipeline/<run>/checkpoints/grpo [--task NAME]
                                 [--samples K] [--n N] [--out results.json]
+    python -m bd_train.evaluate --checkpoint <HF folder> --config <preset.toml> [...]
 
 Reports greedy accuracy and mean reward, NFE per generated token, generated tokens per second
 (timed after compilation), pass@k with the unbiased estimator (K samples per problem at the
 rollout temperature, `[grpo] sampler`), and accuracy against NFE over decoding thresholds
 (τ ∈ {0.5, 0.7, 0.9, 0.95} and one token per step) as a table, JSON and a plot. The checkpoint's
-own config (kept in its metadata) defines the tokenizer, canvas and eval split.
+own config (kept in its metadata) defines the tokenizer, canvas and eval split; for a Hugging Face
+folder (config.json + safetensors) a preset does, with the folder as `[student] pretrained`.
 """
 
 from __future__ import annotations
@@ -45,8 +47,23 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = None) -> tuple[Run, Any]:
-    """The run config a checkpoint was trained with (optionally another task or eval size) and its model."""
+def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = None,
+         config: str | None = None) -> tuple[Run, Any]:
+    """The run config a checkpoint was trained with (optionally another task or eval size) and its
+    model; for a Hugging Face folder, the preset `config` (TOML text) with the folder as the student."""
+    if (Path(checkpoint) / "config.json").is_file():
+        if config is None:
+            raise StageError(f"{checkpoint} is a Hugging Face checkpoint folder, which records no task or canvas; "
+                             f"pass --config <preset.toml> (e.g. flows/configs/pretrained.toml) to define them")
+        import tomllib
+
+        try:
+            data = tomllib.loads(config)
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"--config is not valid TOML: {err}") from None
+        data["student"] = data["teacher"] = {"pretrained": str(checkpoint)}
+        run = Run(parse_pipeline_config(_overridden(data, task, n)))
+        return run, run.pretrained_model("student")
     try:
         with Checkpointer(checkpoint, create=False) as checkpoints:
             meta = checkpoints.read_meta()
@@ -55,21 +72,26 @@ def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = Non
     if not meta.get("config") or "identity" not in meta.get("fingerprints", {}):
         raise StageError(f"checkpoint {checkpoint} holds no pipeline config or model identity; evaluate checkpoints "
                          "written by a bdlm stage (runs/pipeline/<run>/checkpoints/<stage>)")
-    config = dict(meta["config"])
-    if task is not None:
-        config["task"] = {"name": task}
-    if n is not None:
-        config["eval"] = {**config["eval"], "n": n, "batch_size": min(n, config["eval"]["batch_size"])}
-    run = Run(parse_pipeline_config(config))
+    run = Run(parse_pipeline_config(_overridden(dict(meta["config"]), task, n)))
     identity = Fingerprint.from_json(meta["fingerprints"]["identity"])
     model_config = ModelConfig.from_dict(identity.fields["architecture"])
     return run, run.restore_model(checkpoint, model_config, identity, what=f"checkpoint {checkpoint}")
 
 
+def _overridden(config: dict, task: str | None, n: int | None) -> dict:
+    if task is not None:
+        config["task"] = {"name": task}
+    if n is not None:
+        section = config.get("eval", {})
+        config["eval"] = {**section, "n": n, "batch_size": min(n, section.get("batch_size", n))}
+    return config
+
+
 def evaluate(checkpoint: str | Path, *, task: str | None = None, samples: int = 4, n: int | None = None,
-             thresholds: tuple[float, ...] = THRESHOLDS, seed: int = 0) -> dict[str, Any]:
-    """Every number of the module docstring for one checkpoint, as plain values (JSON-ready)."""
-    run, model = load(checkpoint, task=task, n=n)
+             thresholds: tuple[float, ...] = THRESHOLDS, seed: int = 0, config: str | None = None) -> dict[str, Any]:
+    """Every number of the module docstring for one checkpoint, as plain values (JSON-ready).
+    `config`: a preset's TOML text, needed for a Hugging Face folder."""
+    run, model = load(checkpoint, task=task, n=n, config=config)
     key = jax.random.key(seed)
     greedy = evaluate_model(model, run, key=key)
     eval_sampler = run.config.eval.sampler
@@ -131,7 +153,9 @@ def format_report(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bd_train.evaluate", description=__doc__.splitlines()[0]
                                      if __doc__ else None)
-    parser.add_argument("--checkpoint", required=True, help="a stage's checkpoint folder (its latest step is used)")
+    parser.add_argument("--checkpoint", required=True,
+                        help="a stage's checkpoint folder (its latest step is used), or a Hugging Face folder")
+    parser.add_argument("--config", help="a preset TOML with task, canvas and tokenizer (for a Hugging Face folder)")
     parser.add_argument("--task", help="evaluate on this built-in task instead of the checkpoint's own")
     parser.add_argument("--samples", type=int, default=4, help="samples per problem for pass@k (default 4)")
     parser.add_argument("--n", type=int, help="held-out problems (default: the checkpoint's [eval] n)")
@@ -140,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.samples < 1 or (args.n is not None and args.n < 1):
         parser.error("--samples and --n must be at least 1")
     try:
-        report = evaluate(args.checkpoint, task=args.task, samples=args.samples, n=args.n)
+        preset = None if args.config is None else Path(args.config).read_text()
+    except OSError as err:
+        print(f"bd_train.evaluate: cannot read --config: {err}", file=sys.stderr)
+        return 2
+    try:
+        report = evaluate(args.checkpoint, task=args.task, samples=args.samples, n=args.n, config=preset)
     except (StageError, ConfigError, CanvasOverflow, JsonlError, TokenizerError) as err:
         print(f"bd_train.evaluate: {err}", file=sys.stderr)
         return 2

@@ -4,7 +4,9 @@
 the step function and a `StageSpec`, then make one call to `drive`, which owns the loop,
 checkpoints, tracking, progress, evaluation and the `StageResult`. `Run` is the run's context
 (validated config, folders, named random streams, what the config builds); `roll_out` is the one
-rollout helper (sample → gather → decode → reward → NFE) of OPD, GRPO and `evaluate`.
+rollout helper (sample → gather → decode → reward → NFE) of OPD, GRPO and `evaluate`. A role may
+start from a Hugging Face checkpoint folder (`pretrained`: its weights, architecture and tokenizer),
+and `[run] export` writes every stage's model back in that format.
 
 The stages need no orchestrator; `flows/bd_pipeline.py` is a thin Metaflow graph over them. With a
 `[mesh]` they run sharded over it, across processes too once `bd_train.distributed.initialize`

@@ -17,8 +17,10 @@ import jax
 from bd_core import ConfigError, Fingerprint, FingerprintMismatch, fingerprint, require_compatible
 from bd_data import (
     ByteTokenizer,
+    CanvasOverflow,
     Example,
     HFTokenizer,
+    JsonlError,
     TokenizerError,
     get_task,
     iterate,
@@ -276,16 +278,23 @@ class Run:
                       mesh: jax.sharding.Mesh | None = None) -> TrainState:
         """The state SFT starts from: the pretrained checkpoint's weights (read into their shards),
         or a fresh model."""
+        if not getattr(self.config, role).pretrained:
+            return self.fresh_state(model_config, optimizer, key=key, mesh=mesh)
+        model = self.pretrained_model(role, mesh=mesh)
+        if model.config != model_config:
+            raise StageError(f"{role}: the model read from {getattr(self.config, role).pretrained} is not the "
+                             f"configured one ({model.config} vs {model_config})")
+        return TrainState.init(model, optimizer, key=jax.random.split(key)[1])
+
+    def pretrained_model(self, role: str, *, mesh: jax.sharding.Mesh | None = None) -> BlockDiffusionLM:
+        """The role's pretrained checkpoint as configured: the canvas's block size, the tokenizer's
+        vocabulary (an added mask token's row is the mean of the tokens' rows), the section's dtypes."""
         folder = getattr(self.config, role).pretrained
         if not folder:
-            return self.fresh_state(model_config, optimizer, key=key, mesh=mesh)
+            raise StageError(f"{role}: no pretrained checkpoint is configured ([{role}] pretrained)")
         kwargs = {k: v for k, v in self._pretrained_kwargs(role).items() if k not in ("raw", "where")}
-        added = getattr(self.tokenizer, "added_mask", False)  # its row: the mean of the tokens' rows
-        model = from_pretrained(folder, mesh=mesh, new_rows_from=self.tokenizer.mask_id if added else None, **kwargs)
-        if model.config != model_config:
-            raise StageError(f"{role}: the model read from {folder} is not the configured one "
-                             f"({model.config} vs {model_config})")
-        return TrainState.init(model, optimizer, key=jax.random.split(key)[1])
+        added = getattr(self.tokenizer, "added_mask", False)
+        return from_pretrained(folder, mesh=mesh, new_rows_from=self.tokenizer.mask_id if added else None, **kwargs)
 
     def export(self, model: BlockDiffusionLM, stage: str, role: str) -> Path:
         """`model` as a Hugging Face checkpoint in `<run>/export/<stage>`: the pretrained source's
@@ -364,13 +373,15 @@ def saved_identity(directory: str | Path) -> Fingerprint:
 def check_adopted(config: Any) -> None:
     """Before anything trains: every checkpoint the config adopts (`[teacher]/[student] checkpoint`)
     must share the config's tokens and blocks, or the run is refused now, naming each field. The
-    tokenizer and the pretrained checkpoints' configs are read now too, and a teacher and student
-    whose output vocabularies differ (no distillation across them) are refused."""
+    tokenizer, the pretrained checkpoints' configs and the user's JSONL files (every line) are read
+    now too, and a teacher and student whose output vocabularies differ are refused."""
     run = Run(config)
     try:
         _ = run.tokenizer  # loads and checks the special tokens
         sizes = {role: run.model_config(role).vocab_size for role in ROLES if not getattr(run.config, role).checkpoint}
-    except (TokenizerError, ConfigError) as err:
+        if run.task is None:  # the user's JSONL: every line, tokenized and fitted to the canvas, now
+            run.source("train"), run.source("eval")
+    except (TokenizerError, ConfigError, JsonlError, CanvasOverflow) as err:
         raise StageError(str(err)) from None
     if len(set(sizes.values())) > 1:
         raise StageError(f"teacher vocab_size {sizes['teacher']} != student vocab_size {sizes['student']} (from "
