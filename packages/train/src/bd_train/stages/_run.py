@@ -380,7 +380,8 @@ def check_adopted(config: Any) -> None:
         _ = run.tokenizer  # loads and checks the special tokens
         sizes = {role: run.model_config(role).vocab_size for role in ROLES if not getattr(run.config, role).checkpoint}
         if run.task is None:  # the user's JSONL: every line, tokenized and fitted to the canvas, now
-            run.source("train"), run.source("eval")
+            for split in ("train", "eval"):
+                run.source(split)
     except (TokenizerError, ConfigError, JsonlError, CanvasOverflow) as err:
         raise StageError(str(err)) from None
     if len(set(sizes.values())) > 1:
