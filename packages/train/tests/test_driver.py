@@ -20,9 +20,9 @@ SMOKE = Path(__file__).resolve().parents[3] / "flows" / "configs" / "smoke.toml"
 TOTAL = 10
 
 
-def _run(output_dir: Path, lr: float = 3e-3) -> Run:
+def _run(output_dir: Path, lr: float = 3e-3, allow_changes: tuple[str, ...] = ()) -> Run:
     data = tomllib.loads(SMOKE.read_text())
-    data["run"].update(output_dir=str(output_dir), checkpoint_every=4, max_to_keep=5)
+    data["run"].update(output_dir=str(output_dir), checkpoint_every=4, max_to_keep=5, allow_changes=list(allow_changes))
     data["sft"]["optim"]["lr"] = lr
     config = parse_pipeline_config(data)
     return Run(config, RunDir.create(config, run_id="driver"))
@@ -100,3 +100,16 @@ def test_a_resume_under_changed_training_settings_is_refused_by_field(run, tmp_p
         _drive(run, fail_after=3)
     with pytest.raises(StageError, match=r"training\.sft\.optim\.lr: saved 0\.003, current 0\.001"):
         _drive(_run(tmp_path, lr=1e-3))
+
+
+def test_a_deliberate_change_is_allowed_by_name_and_recorded(run, tmp_path, capsys):
+    with pytest.raises(SimulatedFailure):
+        _drive(run, fail_after=3)
+    with pytest.raises(StageError, match=r"training\.sft\.optim\.lr: saved 0\.003"):  # another field is not enough
+        _drive(_run(tmp_path, lr=1e-3, allow_changes=("training.sft.steps",)))
+    resumed = _drive(_run(tmp_path, lr=1e-3, allow_changes=("training.sft.optim",)))
+    assert resumed.step == TOTAL
+    assert "training.sft.optim.lr 0.003 -> 0.001" in capsys.readouterr().err
+    with Checkpointer(run.where.checkpoint_dir("sft-student"), create=False) as checkpoints:
+        overrides = checkpoints.read_meta()["overrides"]
+    assert overrides == [{"step": 3, "changes": {"training.sft.optim.lr": [0.003, 0.001]}}]

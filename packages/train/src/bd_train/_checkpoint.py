@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
@@ -256,9 +256,10 @@ class Checkpointer:
 
     def save(self, state: TrainState, *, fingerprints: Mapping[str, Fingerprint] | None = None,
              config: Any = None, data_iterator: Any = None, force: bool = False,
-             history: list[dict[str, Any]] | None = None) -> int:
-        """Save `state` at its step; returns the step. `config` (a mapping or dataclass) and the
-        metric `history` so far (JSON-ready rows) are stored whole in the JSON metadata."""
+             history: list[dict[str, Any]] | None = None, overrides: list[dict[str, Any]] | None = None) -> int:
+        """Save `state` at its step; returns the step. `config` (a mapping or dataclass), the
+        metric `history` so far (JSON-ready rows) and the deliberate fingerprint `overrides`
+        accepted on earlier resumes are stored whole in the JSON metadata."""
         if state.accumulator is not None and int(state.accumulator.count) != 0:
             raise CheckpointError("save: the state holds a partly accumulated update; save after a call with "
                                   "is_update_step=True")
@@ -271,6 +272,7 @@ class Checkpointer:
             "has_data_state": data_iterator is not None,
             "digests": _digests(_arrays_of(state)),
             "history": history,
+            "overrides": overrides or [],
         }
         # Orbax refuses empty trees (e.g. plain SGD's optimizer state): such items are left out.
         items: dict[str, Any] = {name: ocp.args.StandardSave(tree) for name, tree in _arrays_of(state).items() if tree}
@@ -294,8 +296,12 @@ class Checkpointer:
 
     # -- restore -------------------------------------------------------------------------------------
 
-    def check_fingerprints(self, current: Mapping[str, Fingerprint], step: int | None = None) -> None:
-        """Raise `FingerprintMismatch` naming every differing `<fingerprint>.<field>`."""
+    def check_fingerprints(self, current: Mapping[str, Fingerprint], step: int | None = None, *,
+                           allow: Sequence[str] = ()) -> dict[str, tuple[Any, Any]]:
+        """Raise `FingerprintMismatch` naming every differing `<fingerprint>.<field>`, except
+        those `allow` names (a field, or a table such as `training.grpo.optim` for every field in
+        it): those deliberate changes are returned, (saved, current) per field, for the caller to
+        record."""
         step = self._resolve(step)
         saved = self.fingerprints(step)
         differences: dict[str, tuple[Any, Any]] = {}
@@ -304,8 +310,11 @@ class Checkpointer:
                 differences[name] = ("<not recorded>", fp.digest[:12])
                 continue
             differences.update({f"{name}.{field}": pair for field, pair in saved[name].diff(fp).items()})
-        if differences:
-            raise FingerprintMismatch(differences, f"checkpoint {self.directory} step {step}")
+        allowed = {k: v for k, v in differences.items() if any(k == a or k.startswith(a + ".") for a in allow)}
+        refused = {k: v for k, v in differences.items() if k not in allowed}
+        if refused:
+            raise FingerprintMismatch(refused, f"checkpoint {self.directory} step {step}")
+        return allowed
 
     def check_tree(self, target: TrainState, step: int | None = None) -> None:
         """Raise `CheckpointMismatch` naming every leaf whose shape or dtype differs, or that
@@ -355,12 +364,14 @@ class Checkpointer:
         return _fill(target, restored["model"])
 
     def restore(self, target: TrainState, *, step: int | None = None,
-                fingerprints: Mapping[str, Fingerprint] | None = None, data_iterator: Any = None) -> TrainState:
+                fingerprints: Mapping[str, Fingerprint] | None = None, data_iterator: Any = None,
+                allow: Sequence[str] = ()) -> TrainState:
         """Restore into the structure, shardings and dtypes of `target` (a fresh state, or one of
         `jax.ShapeDtypeStruct`s from `eqx.filter_eval_shape`), after checking `fingerprints`
-        and the tree. `data_iterator`, if given, is set to the saved position in place."""
+        (but the fields `allow` names) and the tree. `data_iterator`, if given, is set to the
+        saved position in place."""
         step = self._resolve(step)
-        self.check_fingerprints(fingerprints or {}, step)
+        self.check_fingerprints(fingerprints or {}, step, allow=allow)
         self.check_tree(target, step)
         if data_iterator is not None and not self.read_meta(step).get("has_data_state"):
             raise CheckpointError(f"checkpoint {self.directory} step {step} holds no data-iterator state; restore "

@@ -243,6 +243,10 @@ class RunSection:
     max_to_keep: int = 2
     log_every: int = 10
     export: bool = False  # also write each stage's model as a Hugging Face checkpoint (<run>/export/<stage>)
+    # Fingerprint fields (e.g. "training.grpo.optim.lr", or a table: "training.grpo") that a
+    # resumed stage may find changed; each accepted change is printed and recorded in the
+    # checkpoints' `overrides`. Anything else that differs is refused by field name.
+    allow_changes: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

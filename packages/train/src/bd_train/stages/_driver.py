@@ -87,18 +87,27 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
     directory = run.where.checkpoint_dir(spec.name)
     checkpoints = open_checkpoints(directory, create=True, max_to_keep=cfg.run.max_to_keep)
     history: list[dict[str, float | int]] = []
+    overrides: list[dict[str, Any]] = []
     if checkpoints.latest_step() is not None:  # a resumed stage continues its state and its curves
         try:
-            state = checkpoints.restore(state, fingerprints=spec.fingerprints, data_iterator=data)
-            history = list(checkpoints.read_meta().get("history") or [])
+            allow = cfg.run.allow_changes
+            accepted = checkpoints.check_fingerprints(spec.fingerprints, allow=allow)
+            state = checkpoints.restore(state, fingerprints=spec.fingerprints, data_iterator=data, allow=allow)
+            meta = checkpoints.read_meta()
+            history, overrides = list(meta.get("history") or []), list(meta.get("overrides") or [])
         except (FingerprintMismatch, CheckpointError) as err:
             raise StageError(f"{spec.name}: cannot continue from {directory}: {err}") from None
+        if accepted:  # deliberate, named in [run] allow_changes: said now and kept in every later checkpoint
+            overrides.append({"step": int(state.step), "changes": {k: list(v) for k, v in sorted(accepted.items())}})
+            print(f"{spec.name}: continuing from step {int(state.step)} with changed settings ([run] allow_changes): "
+                  + ", ".join(f"{k} {saved!r} -> {now!r}" for k, (saved, now) in sorted(accepted.items())),
+                  file=sys.stderr)
     start = int(state.step)
 
     def save(state: TrainState, final: bool = True) -> None:
         if int(state.step) not in checkpoints.all_steps():
             checkpoints.save(state, fingerprints=spec.fingerprints, config=cfg.to_dict(), data_iterator=data,
-                             force=True, history=history)
+                             force=True, history=history, overrides=overrides)
             checkpoints.wait()
 
     with tracker_for(run, spec.name) as tracker:
