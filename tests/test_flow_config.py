@@ -85,7 +85,9 @@ def test_identity_pins_what_the_model_computes_not_how():
     how = Run(parse_pipeline_config(base.replace("[student]\n", "[student]\nattention = 'dense'\nremat = 'full'\n")))
     assert how.identity("student").digest == identity.digest
     wider = Run(parse_pipeline_config(base.replace("[student]\nd_model = 16", "[student]\nd_model = 32")))
-    assert set(wider.identity("student").diff(identity)) == {"architecture.d_model", "architecture.d_ff"}
+    # head_dim follows d_model / n_heads unless set, and is recorded resolved
+    assert set(wider.identity("student").diff(identity)) == {"architecture.d_model", "architecture.d_ff",
+                                                              "architecture.head_dim"}
 
 
 def test_rollout_semantics_pin_the_sampling_distribution():
