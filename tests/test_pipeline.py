@@ -130,6 +130,10 @@ def test_summary_table_is_kept_and_written(resumed_run):
     assert list(summary) == ["teacher_sft", "student_sft", "student_opd", "student_grpo"]
     for row in summary.values():
         assert row["n"] == 16 and 0.0 <= row["accuracy"] <= 1.0 and 0.0 <= row["mean_reward"] <= 1.0
+        assert 0.0 <= row["pass@1"] <= row["pass@2"] <= row["pass@4"] <= 1.0  # [eval] samples = 4 by default
+        curve = row["accuracy_vs_nfe"]
+        assert [p["decoding"] for p in curve] == ["τ 0.5", "τ 0.7", "τ 0.9", "τ 0.95", "one per step"]
+        assert curve[-1]["nfe_per_token"] >= max(p["nfe_per_token"] for p in curve[:-1])
     assert json.loads((cwd / "runs" / "latest" / "summary.json").read_text()) == summary
 
 
@@ -164,9 +168,19 @@ def test_cards_show_curves_eval_samples_and_a_trace(resumed_run, flow_runs):
     # The card's components are embedded in the page as base64 JSON.
     encoded = re.search(r'window.__MF_DATA__\["[^"]+"\] = "([^"]+)"', out.read_text()).group(1)
     card = base64.b64decode(encoded).decode()
-    for text in ("Held-out evaluation", "Sample completions", "denoising trace", "mean_reward"):
+    for text in ("Held-out evaluation", "Sample completions", "denoising trace", "mean_reward", "pass@4",
+                 "Accuracy vs NFE", "one per step"):
         assert text in card
-    assert card.count('"type": "image"') == 2  # training curves and the trace picture
+    assert card.count('"type": "image"') == 3  # training curves, accuracy vs NFE and the trace picture
+    summary_card = cwd / "summary_card.html"
+    done = subprocess.run([sys.executable, flow_runs.flow, "card", "get", f"{run.id}/end", str(summary_card)],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    encoded = re.search(r'window.__MF_DATA__\["[^"]+"\] = "([^"]+)"', summary_card.read_text()).group(1)
+    card = base64.b64decode(encoded).decode()
+    for text in ("Held-out summary", "pass@4", "Accuracy @ NFE per token", "student_grpo", "one per step"):
+        assert text in card
+    assert card.count('"type": "image"') == 1  # the four models' accuracy-vs-NFE curves
 
 
 def test_first_grpo_update_has_ratio_one(resumed_run):

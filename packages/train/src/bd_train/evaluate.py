@@ -17,34 +17,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
-import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import jax
-import numpy as np
 
 from bd_core import ConfigError, Fingerprint
-from bd_data import CanvasOverflow, JsonlError, PromptBatch, TokenizerError, prompt_dataset
+from bd_data import CanvasOverflow, JsonlError, TokenizerError
 from bd_models import ModelConfig
 
 from ._checkpoint import Checkpointer, CheckpointError
 from .stages._config import parse_pipeline_config
-from .stages._evaluate import evaluate as evaluate_model
+from .stages._evaluate import evaluate_report, pass_at_k
 from .stages._plots import accuracy_nfe_png
-from .stages._rollout import roll_out
 from .stages._run import Run, StageError
 
+__all__ = ["THRESHOLDS", "evaluate", "format_report", "load", "main", "pass_at_k"]
+
 THRESHOLDS = (0.5, 0.7, 0.9, 0.95)
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k estimate from `n` samples of which `c` are correct: 1 − C(n−c, k)/C(n, k)."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = None,
@@ -92,49 +83,13 @@ def evaluate(checkpoint: str | Path, *, task: str | None = None, samples: int = 
     """Every number of the module docstring for one checkpoint, as plain values (JSON-ready).
     `config`: a preset's TOML text, needed for a Hugging Face folder."""
     run, model = load(checkpoint, task=task, n=n, config=config)
-    key = jax.random.key(seed)
-    greedy = evaluate_model(model, run, key=key)
-    eval_sampler = run.config.eval.sampler
-    settings = [(f"τ {t}", dataclasses.replace(eval_sampler, strategy="threshold", threshold=t)) for t in thresholds]
-    settings.append(("one per step", dataclasses.replace(eval_sampler, strategy="steps", steps_per_block=None,
-                                                         max_steps_per_block=None)))
-    curve = []
-    for label, section in settings:
-        evaluate_model(model, run, key=key, sampler=section)  # compiles; the timed pass reuses the program
-        start = time.perf_counter()
-        result = evaluate_model(model, run, key=key, sampler=section)
-        seconds = time.perf_counter() - start
-        curve.append({"decoding": label, "accuracy": result.accuracy, "mean_reward": result.mean_reward,
-                      "nfe_per_token": result.nfe_per_token,
-                      "tokens_per_second": result.generated_tokens * result.n / seconds})
-    return {"checkpoint": str(checkpoint), "task": run.config.task.name, "n": greedy.n, "greedy": greedy.metrics(),
-            "samples_per_problem": samples, "pass_at_k": sampled_pass_at_k(model, run, samples, key=key),
-            "accuracy_vs_nfe": curve}
-
-
-def sampled_pass_at_k(model: Any, run: Run, samples: int, *, key: jax.Array) -> dict[str, float]:
-    """pass@k for k = 1, 2, 4, ... ≤ `samples`, from `samples` rollouts per eval problem at the
-    rollout decoding (`[grpo] sampler`), averaged over the problems."""
-    cfg = run.config
-    source = run.source("eval")
-    examples = [source[i] for i in range(min(cfg.eval.n, len(source)))]
-    sampler = run.sampler_config(cfg.grpo.sampler)
-    correct = np.zeros(len(examples), np.int64)
-    per_batch = max(1, cfg.eval.batch_size // samples)
-    batches = prompt_dataset(examples, run.tokenizer, cfg.canvas, seed=0, batch_size=per_batch, shard_index=0,
-                             shard_count=1, shuffle=False, num_epochs=1, drop_remainder=False)
-    done = 0
-    for i in range(len(batches)):
-        batch = cast(PromptBatch, batches[i])
-        rows = len(batch.examples)
-        repeat = lambda x: np.repeat(x, samples, 0)  # noqa: E731
-        out = roll_out(model, (repeat(batch.tokens), repeat(batch.valid)),
-                       [e for e in batch.examples for _ in range(samples)], sampler, tokenizer=run.tokenizer,
-                       reward=run.reward, key=jax.random.fold_in(key, i), mesh=None)
-        correct[done:done + rows] = (out.rewards.reshape(rows, samples) == 1.0).sum(axis=1)
-        done += rows
-    ks = [k for k in (2 ** i for i in range(samples.bit_length())) if k <= samples]
-    return {f"pass@{k}": float(np.mean([pass_at_k(samples, int(c), k) for c in correct])) for k in ks}
+    result = evaluate_report(model, run, key=jax.random.key(seed), samples=samples, thresholds=thresholds,
+                             timed=True)
+    metrics = result.metrics()
+    return {"checkpoint": str(checkpoint), "task": run.config.task.name, "n": result.n,
+            "greedy": {k: v for k, v in metrics.items() if not k.startswith("pass@")},
+            "samples_per_problem": samples, "pass_at_k": dict(result.pass_at_k),
+            "accuracy_vs_nfe": [dataclasses.asdict(p) for p in result.accuracy_vs_nfe]}
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -177,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.write_text(json.dumps(report, indent=2))
-        out.with_suffix(".png").write_bytes(accuracy_nfe_png(report["accuracy_vs_nfe"], title=str(args.checkpoint)))
+        out.with_suffix(".png").write_bytes(accuracy_nfe_png({str(args.checkpoint): report["accuracy_vs_nfe"]},
+                                                                 title="accuracy vs NFE"))
     return 0
 
 

@@ -23,6 +23,7 @@ from ._driver import StageResult as StageResult
 from ._driver import StageSpec as StageSpec
 from ._driver import drive as drive
 from ._evaluate import Evaluation as Evaluation
+from ._evaluate import NFEPoint as NFEPoint
 from ._evaluate import Sample as Sample
 from ._evaluate import evaluate as evaluate
 from ._rollout import Rollouts as Rollouts
@@ -32,9 +33,12 @@ from ._run import RunDir as RunDir
 from ._run import StageError as StageError
 from ._run import check_adopted as check_adopted
 from ._run import check_distillation_pair as check_distillation_pair
+from ._summary import curve_rows as curve_rows
 from ._summary import format_summary as format_summary
+from ._summary import pass_keys as pass_keys
 from ._summary import print_summary as print_summary
 from ._summary import summarize as summarize
+from ._summary import summary_curve_png as summary_curve_png
 from ._tracking import Tracker as Tracker
 from .grpo import run_grpo as run_grpo
 from .opd import run_opd as run_opd

@@ -229,9 +229,19 @@ class EvalSection:
     batch_size: int = 256
     samples_shown: int = 8
     sampler: SamplerSection = SamplerSection(temperature=0.0)
+    # pass@k for k = 1, 2, 4, ... <= samples, from `samples` rollouts per problem at the rollout
+    # decoding ([grpo] sampler); 0 turns it off.
+    samples: int = 4
+    # The accuracy-vs-NFE curve: [eval] sampler at each confidence threshold, then one token per
+    # step; [] turns it off.
+    thresholds: tuple[float, ...] = (0.5, 0.7, 0.9, 0.95)
 
     def __post_init__(self):
         _positive(n=self.n, batch_size=self.batch_size)
+        _nonneg(samples=self.samples)
+        for t in self.thresholds:
+            if not 0.0 < t <= 1.0:
+                raise config_error("", "thresholds", list(self.thresholds), "confidence thresholds in (0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)

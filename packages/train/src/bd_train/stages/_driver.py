@@ -1,7 +1,7 @@
 """The one driver every stage recipe calls: `drive(run, spec, state, step_fn, data)` resumes the
 stage from its latest checkpoint, runs `step_fn` to `spec.total` updates with periodic saves,
-SIGTERM handling, W&B tracking and a progress bar, evaluates on the held-out split, and returns
-the stage's small `StageResult`.
+SIGTERM handling, W&B tracking and a progress bar, evaluates on the held-out split (greedy,
+pass@k and accuracy vs NFE, as `[eval]` asks), and returns the stage's small `StageResult`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from bd_core import Fingerprint, FingerprintMismatch
 
 from .._checkpoint import CheckpointError
 from .._loop import run_updates
-from ._evaluate import Evaluation, evaluate
+from ._evaluate import Evaluation, evaluate_report
 from ._plots import curves_png
 from ._run import Run, StageError, open_checkpoints
 from ._tracking import Tracker
@@ -141,8 +141,8 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
                 raise StageError(f"{spec.name}: stopped by SIGTERM at step {int(state.step)}; the checkpoint is "
                                  f"saved in {directory}; run `resume` to continue")
             checkpoints.close()
-            evaluation = evaluate(state.model, run, key=spec.eval_key, title=f"{spec.role} after {spec.title}",
-                                  mesh=spec.mesh)
+            evaluation = evaluate_report(state.model, run, key=spec.eval_key,
+                                         title=f"{spec.role} after {spec.title}", mesh=spec.mesh)
             export = run.export(state.model, spec.name, spec.role) if cfg.run.export else None
         log_evaluation(tracker, evaluation, step=spec.total)
     return StageResult(stage=spec.name, role=spec.role, checkpoint_dir=str(directory), step=int(state.step),
@@ -163,6 +163,10 @@ def log_evaluation(tracker: Tracker, evaluation: Evaluation, *, step: int) -> No
     tracker.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
     tracker.log_table("eval/samples", ["prompt", "answer", "completion", "reward"],
                       [list(dataclasses.astuple(s)) for s in evaluation.samples], step=step)
+    if evaluation.accuracy_vs_nfe:
+        rows = [[p.decoding, p.accuracy, p.mean_reward, p.nfe_per_token] for p in evaluation.accuracy_vs_nfe]
+        tracker.log_table("eval/accuracy_vs_nfe", ["decoding", "accuracy", "mean_reward", "nfe_per_token"], rows,
+                          step=step)
     tracker.summary(metrics)
 
 

@@ -1,28 +1,36 @@
 """Held-out evaluation: decode every eval prompt with the sampler, score it with the task's reward.
 
-`Evaluation` holds accuracy (reward 1), mean reward, NFE per generated token and completion
-length, a few sample completions, and one row's denoising trace as a picture for the card. With a
-mesh, the prompts are split over its data axes and the sharded model samples them (every process
-takes part); completions are gathered so that every process scores them all.
+`evaluate` gives greedy accuracy (reward 1), mean reward, NFE per generated token and completion
+length, a few sample completions and one row's denoising trace as a picture for the card.
+`evaluate_report` adds what `[eval] samples` and `[eval] thresholds` ask for: pass@k with the
+unbiased estimator (`samples` rollouts per problem at the rollout decoding, `[grpo] sampler`) and
+accuracy against NFE per token over decoding thresholds and one token per step. With a mesh, the
+prompts are split over its data axes and the sharded model samples them (every process takes
+part); completions are gathered so that every process scores them all.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import numpy as np
 
-from bd_data import PromptBatch, prompt_dataset
-from bd_models import to_host
+from bd_data import Example, PromptBatch, prompt_dataset
+from bd_models import SamplerConfig, to_host
 
-from ._plots import trace_png, trace_text
+from ._plots import accuracy_nfe_png, trace_png, trace_text
 from ._rollout import roll_out
 
 if TYPE_CHECKING:
     from ._config import SamplerSection
     from ._run import Run
+
+ONE_PER_STEP = "one per step"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +42,21 @@ class Sample:
 
 
 @dataclasses.dataclass(frozen=True)
+class NFEPoint:
+    """Held-out results at one decoding setting; `tokens_per_second` is timed after compilation
+    (None where it was not timed)."""
+
+    decoding: str
+    accuracy: float
+    mean_reward: float
+    nfe_per_token: float
+    tokens_per_second: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Evaluation:
-    """Held-out results of one model: the numbers, sample completions and a trace picture."""
+    """Held-out results of one model: the greedy numbers, sample completions and a trace picture;
+    with `evaluate_report`, also pass@k and the accuracy-vs-NFE curve (and its picture)."""
 
     accuracy: float
     mean_reward: float
@@ -44,54 +65,146 @@ class Evaluation:
     generated_tokens: float
     samples: tuple[Sample, ...] = ()
     trace_png: bytes | None = dataclasses.field(default=None, repr=False)
+    pass_at_k: Mapping[str, float] = dataclasses.field(default_factory=dict)  # {"pass@1": ..., "pass@4": ...}
+    samples_per_problem: int = 0
+    accuracy_vs_nfe: tuple[NFEPoint, ...] = ()
+    curve_png: bytes | None = dataclasses.field(default=None, repr=False)
 
     def metrics(self) -> dict[str, float | int]:
         """The numbers, by name (for tracking, tables and JSON)."""
         return {"accuracy": self.accuracy, "mean_reward": self.mean_reward, "n": self.n,
-                "nfe_per_token": self.nfe_per_token, "generated_tokens": self.generated_tokens}
+                "nfe_per_token": self.nfe_per_token, "generated_tokens": self.generated_tokens, **self.pass_at_k}
 
 
-def evaluate(model: Any, run: Run, *, key: jax.Array, title: str = "", mesh: jax.sharding.Mesh | None = None,
-             sampler: SamplerSection | None = None) -> Evaluation:
-    """Decoding of `[eval] n` held-out prompts with `[eval] sampler` (or `sampler`) in fixed-size
-    batches (rounded up to a multiple of the mesh's data shards; short batches are padded)."""
-    cfg = run.config
-    section = cfg.eval
-    sampler_config = run.sampler_config(section.sampler if sampler is None else sampler)
+@dataclasses.dataclass(frozen=True)
+class _Decoded:
+    """Per-row host results of decoding a list of examples (padding rows dropped)."""
+
+    rewards: np.ndarray
+    nfe: np.ndarray
+    generated: np.ndarray
+    texts: list[str]
+    first_trace: Any
+
+    @property
+    def nfe_per_token(self) -> float:
+        return float(np.sum(self.nfe) / max(1, np.sum(self.generated)))
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimate from `n` samples of which `c` are correct: 1 − C(n−c, k)/C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _eval_examples(run: Run) -> list[Example]:
     source = run.source("eval")
-    examples = [source[i] for i in range(min(section.n, len(source)))]
+    return [source[i] for i in range(min(run.config.eval.n, len(source)))]
+
+
+def _decode(model: Any, run: Run, examples: Sequence[Example], sampler: SamplerConfig, *, key: jax.Array,
+            mesh: jax.sharding.Mesh | None) -> _Decoded:
+    """Decode `examples` in `[eval] batch_size` batches (rounded up to a multiple of the mesh's
+    data shards; the last batch is padded so that every call reuses one compiled program)."""
+    cfg = run.config
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-    batch_size = -(-min(section.batch_size, len(examples)) // shards) * shards
-    batches = prompt_dataset(examples, run.tokenizer, cfg.canvas, seed=0, batch_size=batch_size, shard_index=0,
-                             shard_count=1, shuffle=False, num_epochs=1, drop_remainder=False)
-    rewards, nfe, generated, samples = [], [], [], []
+    batch_size = -(-min(cfg.eval.batch_size, len(examples)) // shards) * shards
+    batches = prompt_dataset(list(examples), run.tokenizer, cfg.canvas, seed=0, batch_size=batch_size,
+                             shard_index=0, shard_count=1, shuffle=False, num_epochs=1, drop_remainder=False)
+    rewards, nfe, generated, texts = [], [], [], []
     first_trace = None
     for i in range(len(batches)):
         batch = cast(PromptBatch, batches[i])
         tokens, valid = batch.tokens, batch.valid
-        if len(batch.examples) < batch_size:  # pad the last batch so every call reuses one compiled program
+        if len(batch.examples) < batch_size:
             fill = batch_size - len(batch.examples)
             tokens = np.concatenate([tokens, np.repeat(tokens[:1], fill, 0)])
             valid = np.concatenate([valid, np.repeat(valid[:1], fill, 0)])
-        out = roll_out(model, (tokens, valid), batch.examples, sampler_config, tokenizer=run.tokenizer,
-                       reward=run.reward, key=jax.random.fold_in(key, i), mesh=mesh)
+        out = roll_out(model, (tokens, valid), batch.examples, sampler, tokenizer=run.tokenizer, reward=run.reward,
+                       key=jax.random.fold_in(key, i), mesh=mesh)
         rewards.extend(out.rewards.tolist())
         nfe.extend(out.nfe.tolist())
         generated.extend(out.generated.tolist())  # rows stop after their stop block
-        shown = max(0, section.samples_shown - len(samples))
-        samples.extend(Sample(e.prompt, e.answer, t, r)
-                       for e, t, r in zip(batch.examples[:shown], out.texts, out.rewards.tolist()))
+        texts.extend(out.texts)
         if first_trace is None:
             first_trace = jax.tree.map(lambda x: x[0], to_host(jax.tree.map(lambda x: x[:1], out.rollout.trace)))
-    rewards = np.asarray(rewards, np.float64)
-    canvas = cfg.canvas
-    assert first_trace is not None  # there is at least one eval batch
+    return _Decoded(np.asarray(rewards, np.float64), np.asarray(nfe), np.asarray(generated), texts, first_trace)
+
+
+def evaluate(model: Any, run: Run, *, key: jax.Array, title: str = "", mesh: jax.sharding.Mesh | None = None,
+             sampler: SamplerSection | None = None) -> Evaluation:
+    """Decoding of `[eval] n` held-out prompts with `[eval] sampler` (or `sampler`)."""
+    cfg = run.config
+    examples = _eval_examples(run)
+    decoded = _decode(model, run, examples, run.sampler_config(cfg.eval.sampler if sampler is None else sampler),
+                      key=key, mesh=mesh)
+    samples = tuple(Sample(e.prompt, e.answer, t, r) for e, t, r in
+                    zip(examples[:cfg.eval.samples_shown], decoded.texts, decoded.rewards.tolist()))
+    canvas, trace = cfg.canvas, decoded.first_trace
     picture = trace_png(
-        committed=first_trace.committed, tokens=first_trace.tokens, step_valid=first_trace.step_valid,
-        block_ids=first_trace.block_ids, first_block=canvas.prompt_len // canvas.block_size,
-        num_blocks=canvas.max_new_tokens // canvas.block_size, block_size=canvas.block_size,
-        token_text=trace_text(run.tokenizer), title=f"{title} denoising of {examples[0].prompt!r}".strip(),
+        committed=trace.committed, tokens=trace.tokens, step_valid=trace.step_valid, block_ids=trace.block_ids,
+        first_block=canvas.prompt_len // canvas.block_size, num_blocks=canvas.max_new_tokens // canvas.block_size,
+        block_size=canvas.block_size, token_text=trace_text(run.tokenizer),
+        title=f"{title} denoising of {examples[0].prompt!r}".strip(),
     )
+    rewards = decoded.rewards
     return Evaluation(accuracy=float(np.mean(rewards == 1.0)), mean_reward=float(np.mean(rewards)),
-                      n=int(len(rewards)), nfe_per_token=float(np.sum(nfe) / max(1, np.sum(generated))),
-                      generated_tokens=float(np.mean(generated)), samples=tuple(samples), trace_png=picture)
+                      n=int(len(rewards)), nfe_per_token=decoded.nfe_per_token,
+                      generated_tokens=float(np.mean(decoded.generated)), samples=samples, trace_png=picture)
+
+
+def sampled_pass_at_k(model: Any, run: Run, samples: int, *, key: jax.Array,
+                      mesh: jax.sharding.Mesh | None = None) -> dict[str, float]:
+    """pass@k for k = 1, 2, 4, ... ≤ `samples`, from `samples` rollouts per eval problem at the
+    rollout decoding (`[grpo] sampler`), averaged over the problems."""
+    examples = _eval_examples(run)
+    repeated = [e for e in examples for _ in range(samples)]
+    decoded = _decode(model, run, repeated, run.sampler_config(run.config.grpo.sampler), key=key, mesh=mesh)
+    correct = (decoded.rewards.reshape(len(examples), samples) == 1.0).sum(axis=1)
+    ks = [k for k in (2 ** i for i in range(samples.bit_length())) if k <= samples]
+    return {f"pass@{k}": float(np.mean([pass_at_k(samples, int(c), k) for c in correct])) for k in ks}
+
+
+def decoding_settings(sampler: SamplerSection, thresholds: Sequence[float]) -> list[tuple[str, SamplerSection]]:
+    """The accuracy-vs-NFE settings: `sampler` at each confidence threshold, then one token per step."""
+    settings = [(f"τ {t}", dataclasses.replace(sampler, strategy="threshold", threshold=t)) for t in thresholds]
+    settings.append((ONE_PER_STEP, dataclasses.replace(sampler, strategy="steps", steps_per_block=None,
+                                                       max_steps_per_block=None)))
+    return settings
+
+
+def accuracy_vs_nfe(model: Any, run: Run, thresholds: Sequence[float], *, key: jax.Array,
+                    mesh: jax.sharding.Mesh | None = None, timed: bool = False) -> tuple[NFEPoint, ...]:
+    """`[eval] sampler` at each threshold and at one token per step. `timed`: decode each setting
+    twice and time the second pass (compiled), for generated tokens per second."""
+    examples, points = _eval_examples(run), []
+    for label, section in decoding_settings(run.config.eval.sampler, thresholds):
+        sampler = run.sampler_config(section)
+        if timed:  # the first pass compiles; the timed pass reuses the program
+            _decode(model, run, examples, sampler, key=key, mesh=mesh)
+        start = time.perf_counter()
+        decoded = _decode(model, run, examples, sampler, key=key, mesh=mesh)
+        seconds = time.perf_counter() - start
+        points.append(NFEPoint(label, float(np.mean(decoded.rewards == 1.0)), float(np.mean(decoded.rewards)),
+                               decoded.nfe_per_token,
+                               float(np.sum(decoded.generated) / seconds) if timed else None))
+    return tuple(points)
+
+
+def evaluate_report(model: Any, run: Run, *, key: jax.Array, title: str = "", mesh: jax.sharding.Mesh | None = None,
+                    samples: int | None = None, thresholds: Sequence[float] | None = None,
+                    timed: bool = False) -> Evaluation:
+    """`evaluate`, plus pass@k over `samples` (default `[eval] samples`; 0: none) rollouts per
+    problem and the accuracy-vs-NFE curve over `thresholds` (default `[eval] thresholds`; empty:
+    none) with its picture."""
+    section = run.config.eval
+    samples = section.samples if samples is None else samples
+    thresholds = section.thresholds if thresholds is None else thresholds
+    greedy = evaluate(model, run, key=key, title=title, mesh=mesh)
+    passes = sampled_pass_at_k(model, run, samples, key=key, mesh=mesh) if samples else {}
+    curve = accuracy_vs_nfe(model, run, thresholds, key=key, mesh=mesh, timed=timed) if thresholds else ()
+    picture = accuracy_nfe_png({title or "model": [dataclasses.asdict(p) for p in curve]},
+                               title=f"{title} accuracy vs NFE".strip()) if curve else None
+    return dataclasses.replace(greedy, pass_at_k=passes, samples_per_problem=samples, accuracy_vs_nfe=curve,
+                               curve_png=picture)

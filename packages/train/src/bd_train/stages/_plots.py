@@ -96,17 +96,22 @@ def trace_text(tokenizer: Any) -> Callable[[int], str]:
     return text
 
 
-def accuracy_nfe_png(points: Sequence[Mapping[str, float | str]], *, title: str) -> bytes:
-    """Held-out accuracy against NFE per generated token, one labelled point per decoding setting."""
-    plt, fig = _figure(4.2, 3.2)
+def accuracy_nfe_png(series: Mapping[str, Sequence[Mapping[str, Any]]], *, title: str) -> bytes:
+    """Held-out accuracy against NFE per generated token: one line per model, one labelled point
+    per decoding setting (labels on the first model's line only, to stay readable)."""
+    plt, fig = _figure(4.6, 3.4)
     ax = fig.add_subplot(1, 1, 1)
-    xs, ys = [float(p["nfe_per_token"]) for p in points], [float(p["accuracy"]) for p in points]
-    ax.plot(xs, ys, "o-", lw=1.5)
-    for p, x, y in zip(points, xs, ys):
-        ax.annotate(str(p["decoding"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    for i, (name, points) in enumerate(series.items()):
+        xs, ys = [float(p["nfe_per_token"]) for p in points], [float(p["accuracy"]) for p in points]
+        ax.plot(xs, ys, "o-", lw=1.5, ms=4, label=name)
+        if i == 0:
+            for p, x, y in zip(points, xs, ys):
+                ax.annotate(str(p["decoding"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("NFE per generated token", fontsize=8)
     ax.set_ylabel("accuracy", fontsize=8)
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend(fontsize=7)
     ax.set_title(title, fontsize=9)
     return _png(plt, fig)

@@ -1,8 +1,9 @@
-"""The pipeline's report: the held-out summary table of the four models, printed, kept as an
-artifact and written as JSON."""
+"""The pipeline's report: the held-out summary of the four models (greedy accuracy, reward, NFE
+per token, pass@k and the accuracy-vs-NFE curve), printed, kept as an artifact and written as JSON."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,13 +18,18 @@ SUMMARY_KEYS = ("accuracy", "mean_reward", "n", "nfe_per_token")
 
 
 def summarize(results: Mapping[str, StageResult], where: RunDir) -> dict[str, dict[str, Any]]:
-    """`{row: {accuracy, mean_reward, n, nfe_per_token}}` for the four models, printed as a table
-    and written to `<output_dir>/latest/summary.json` and the run folder."""
+    """`{row: {accuracy, mean_reward, n, nfe_per_token, pass@k..., accuracy_vs_nfe}}` for the four
+    models, printed as tables and written to `<output_dir>/latest/summary.json` and the run folder."""
     summary = {}
     for row in SUMMARY_ROWS:
         evaluation = results[row].evaluation
-        metrics = {} if evaluation is None else evaluation.metrics()
-        summary[row] = {key: metrics[key] for key in SUMMARY_KEYS if key in metrics}
+        if evaluation is None:
+            summary[row] = {}
+            continue
+        metrics = evaluation.metrics()
+        summary[row] = {key: metrics[key] for key in SUMMARY_KEYS if key in metrics} | dict(evaluation.pass_at_k)
+        if evaluation.accuracy_vs_nfe:
+            summary[row]["accuracy_vs_nfe"] = [dataclasses.asdict(p) for p in evaluation.accuracy_vs_nfe]
     print(format_summary(summary))
     text = json.dumps(summary, indent=2)
     (Path(where.run_dir) / "summary.json").write_text(text)
@@ -33,17 +39,52 @@ def summarize(results: Mapping[str, StageResult], where: RunDir) -> dict[str, di
     return summary
 
 
+def pass_keys(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The pass@k columns present in any row, in order of k."""
+    keys = {k for values in summary.values() for k in values if k.startswith("pass@")}
+    return sorted(keys, key=lambda k: int(k.removeprefix("pass@")))
+
+
+def curve_rows(summary: Mapping[str, Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The accuracy-vs-NFE table: one row per model, one `accuracy @ NFE/token` cell per decoding."""
+    decodings: list[str] = []
+    for values in summary.values():
+        decodings += [p["decoding"] for p in values.get("accuracy_vs_nfe", ()) if p["decoding"] not in decodings]
+    rows = []
+    for row, values in summary.items():
+        points = {p["decoding"]: p for p in values.get("accuracy_vs_nfe", ())}
+        if points:
+            rows.append([row, *(f"{points[d]['accuracy']:.3f} @ {points[d]['nfe_per_token']:.2f}" if d in points
+                                else "—" for d in decodings)])
+    return decodings, rows
+
+
+def summary_curve_png(summary: Mapping[str, Mapping[str, Any]]) -> bytes | None:
+    """Accuracy against NFE per token of every model in the summary, one line each (None without curves)."""
+    from ._plots import accuracy_nfe_png
+
+    series = {row: values["accuracy_vs_nfe"] for row, values in summary.items() if values.get("accuracy_vs_nfe")}
+    return accuracy_nfe_png(series, title="held-out accuracy vs NFE per token") if series else None
+
+
 def format_summary(summary: Mapping[str, Mapping[str, Any]]) -> str:
-    lines = [f"{'model':<14} {'accuracy':>9} {'reward':>8} {'n':>5} {'NFE/token':>10}"]
+    passes = pass_keys(summary)
+    lines = [f"{'model':<14} {'accuracy':>9} {'reward':>8} {'n':>5} {'NFE/token':>10}"
+             + "".join(f" {k:>8}" for k in passes)]
     for row, values in summary.items():
         if not values:
             lines.append(f"{row:<14} {'—':>9}")
             continue
         lines.append(f"{row:<14} {values['accuracy']:>9.3f} {values['mean_reward']:>8.3f} {values['n']:>5d} "
-                     f"{values.get('nfe_per_token', float('nan')):>10.3f}")
+                     f"{values.get('nfe_per_token', float('nan')):>10.3f}"
+                     + "".join(f" {values.get(k, float('nan')):>8.3f}" for k in passes))
+    decodings, rows = curve_rows(summary)
+    if rows:
+        lines += ["", "accuracy @ NFE/token by decoding", f"{'model':<14}" + "".join(f" {d:>14}" for d in decodings)]
+        lines += [f"{cells[0]:<14}" + "".join(f" {c:>14}" for c in cells[1:]) for cells in rows]
     return "\n".join(lines)
 
 
 def print_summary(path: str | Path) -> None:
-    """Print a written `summary.json` as the table."""
+    """Print a written `summary.json` as the tables."""
     print(format_summary(json.loads(Path(path).read_text())))
