@@ -9,9 +9,11 @@ import numpy as np
 import optax
 import pytest
 
-from bd_core import DiffusionTokenBatch, WeightedMetric
+from bd_core import DiffusionTokenBatch, LossOutput, MaxMetric, MetricError, WeightedMetric
 from bd_models import BlockDiffusionLM, ModelConfig, make_mesh, shard_batch, shard_model
 from bd_train import (
+    Checkpointer,
+    CheckpointError,
     NonFiniteError,
     OptimizerConfig,
     Trainer,
@@ -146,6 +148,95 @@ def test_streaming_accumulation_matches_scan(toy_model, batch_factory):
         assert _relative_error(stream_state.opt_state, scan_state.opt_state) <= 1e-6  # the gradients
         assert _relative_error(scan_state.opt_state, _reference_grads(model, batch)) <= 1e-6
     assert int(stream_state.step) == int(scan_state.step) == 2
+
+
+def _sft_with_max_and_plain(model, batch, key):
+    """SFT plus a maximum (the microbatch's token count) and a plain per-microbatch mean (the
+    share of its rows that hold tokens), so every kind of aux metric is reduced."""
+    out = sft_objective(model, batch, key)
+    tokens = jnp.asarray(batch.denom_weights, jnp.float32)
+    rows = jnp.mean(jnp.any(tokens > 0, axis=1).astype(jnp.float32))
+    return LossOutput(out.loss, {**out.aux, "max_tokens": MaxMetric(jnp.sum(tokens)), "rows": rows})
+
+
+def test_streaming_metrics_cover_the_whole_update(toy_model, batch_factory):
+    """At the call that applies an update, streaming reports the metrics of all the update's
+    microbatches reduced once, as the scanned update does; not those of its last call."""
+    model = toy_model(key=jax.random.key(11))
+    # Unequal parts: per-call token accuracy, maximum and row share all differ from the update's.
+    stacked = split_microbatches(batch_factory(60, rows=16), sizes=[9, 1, 4, 2])
+    scan = Trainer(_sft_with_max_and_plain, _gradient_probe())
+    _, expected = scan.step_microbatches(scan.init(model, key=jax.random.key(0)), stacked)
+    streaming = Trainer(_sft_with_max_and_plain, _gradient_probe(), TrainerConfig(streaming=True))
+    state = streaming.init(model, key=jax.random.key(0))
+    for a, b in [(0, 2), (2, 3), (3, 4)]:
+        part = jax.tree.map(lambda x, a=a, b=b: x[a:b], stacked)
+        state, metrics = streaming.step_microbatches(state, part, is_update_step=b == 4)
+    assert set(metrics) == set(expected)
+    for name in expected:
+        np.testing.assert_allclose(metrics[name], expected[name], rtol=1e-6, err_msg=name)
+    # The last call alone would report other values: the comparison above can tell them apart.
+    _, last_only = scan.step_microbatches(scan.init(model, key=jax.random.key(0)), part)
+    for name in ("token_accuracy", "max_tokens", "rows"):
+        assert abs(float(last_only[name]) - float(expected[name])) > 1e-3, name
+
+
+def test_streaming_state_resumes_from_a_checkpoint(tmp_path, toy_model, batch_factory):
+    """A streaming state saves between updates, never mid-update, and a restored one continues
+    with the same update and metrics as the uninterrupted run."""
+    model = toy_model(key=jax.random.key(13))
+    trainer = Trainer(_sft_with_max_and_plain, make_optimizer(OptimizerConfig(schedule="constant")),
+                      TrainerConfig(streaming=True))
+    batches = [split_microbatches(batch_factory(80 + i, rows=8), sizes=[5, 1, 2]) for i in range(2)]
+
+    def update(state, stacked):
+        state, _ = trainer.step_microbatches(state, jax.tree.map(lambda x: x[:2], stacked), is_update_step=False)
+        return trainer.step_microbatches(state, jax.tree.map(lambda x: x[2:], stacked))
+
+    state, _ = update(trainer.init(model, key=jax.random.key(0)), batches[0])
+    with Checkpointer(tmp_path) as checkpoints:
+        partial, _ = trainer.step_microbatches(state, batches[1], is_update_step=False)
+        with pytest.raises(CheckpointError, match="partly accumulated"):
+            checkpoints.save(partial)
+        checkpoints.save(state)
+        checkpoints.wait()
+        restored = checkpoints.restore(trainer.init(model, key=jax.random.key(0)))
+    expected_state, expected = update(state, batches[1])
+    resumed_state, metrics = update(restored, batches[1])
+    assert jax.tree.map(float, metrics) == jax.tree.map(float, expected)
+    assert eqx.tree_equal(resumed_state.params, expected_state.params)
+
+
+class _Tagged(eqx.Module):
+    """A batch plus the loss settings its loss function uses; static, so a call may change them."""
+
+    batch: DiffusionTokenBatch
+    eps: float | None = eqx.field(static=True, default=None)
+    aux_key: str = eqx.field(static=True, default="token_accuracy")
+
+
+def _tagged_loss(model, data, key):
+    out = sft_objective(model, data.batch, key)
+    loss = out.loss.total()
+    return LossOutput(WeightedMetric(loss.numerator, loss.denominator, eps=data.eps),
+                      {data.aux_key: out.aux["token_accuracy"]})
+
+
+def test_streaming_refuses_loss_settings_that_change_within_an_update(toy_model, batch_factory):
+    trainer = Trainer(_tagged_loss, _gradient_probe(), TrainerConfig(streaming=True))
+    state = trainer.init(toy_model(key=jax.random.key(12)), key=jax.random.key(0))
+    first, second = (split_microbatches(batch_factory(70 + i, rows=4), 2) for i in range(2))
+    state, _ = trainer.step_microbatches(state, _Tagged(first, eps=1e-6), is_update_step=False)
+    with pytest.raises(MetricError, match=r"eps=0\.001, min_denom=None.*eps=1e-06, min_denom=None"):
+        trainer.step_microbatches(state, _Tagged(second, eps=1e-3))
+    with pytest.raises(MetricError, match=r"\['accuracy'\].*\['token_accuracy'\]"):
+        trainer.step_microbatches(state, _Tagged(second, eps=1e-6, aux_key="accuracy"))
+    state, metrics = trainer.step_microbatches(state, _Tagged(second, eps=1e-6))
+    assert float(metrics["update_applied"]) == 1.0
+    # A new update may use other settings: only the calls of one update must agree.
+    state, _ = trainer.step_microbatches(state, _Tagged(first, eps=1e-3), is_update_step=False)
+    state, metrics = trainer.step_microbatches(state, _Tagged(second, eps=1e-3))
+    assert float(metrics["update_applied"]) == 1.0 and int(state.step) == 2
 
 
 def test_streaming_without_accumulator_is_refused(toy_model, batch_factory):

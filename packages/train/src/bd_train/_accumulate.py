@@ -15,29 +15,99 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bd_core import LossOutput, WeightedMetric, as_loss_output
+from bd_core import LossOutput, MaxMetric, MetricError, WeightedMetric, as_loss_output, reduce_metrics
 
 LossFn = Callable[[Any, Any, jax.Array], Any]
 
 
 class Accumulated(eqx.Module):
     """Unnormalized sums over microbatches: float32 Σ∇numerator (shaped like the trainable
-    arrays), the loss as a scalar `WeightedMetric` (Σnumerator, Σdenominator) and how many
-    microbatches were added. The one accumulator type: `accumulate` returns it for the
-    microbatches of one call, and a streaming `TrainState` carries it across calls."""
+    arrays), the loss as a scalar `WeightedMetric` (Σnumerator, Σdenominator), how many
+    microbatches were added and their aux metrics as float32 sums (`_aux_sums`), reduced once by
+    `metrics`. The one accumulator type: `accumulate` returns it for the microbatches of one
+    call, and a streaming `TrainState` carries it across calls.
+
+    `aux` is None until something is added (`zeros`); the first addition fixes the aux keys and
+    the loss's `eps`/`min_denom`, and every later addition must report the same ones."""
 
     grads: Any
     loss: WeightedMetric
     count: jax.Array
+    aux: dict[str, Any] | None
 
     @classmethod
-    def zeros(cls, params: Any, *, eps: float | None = None, min_denom: float | None = None) -> Accumulated:
+    def zeros(cls, params: Any) -> Accumulated:
         zero = jnp.zeros((), jnp.float32)
-        return cls(zeros_like_grads(params), WeightedMetric(zero, zero, eps, min_denom), jnp.zeros((), jnp.int32))
+        return cls(zeros_like_grads(params), WeightedMetric(zero, zero), jnp.zeros((), jnp.int32), None)
 
     def __add__(self, other: Accumulated) -> Accumulated:
+        if other.aux is None:
+            return self
+        if self.aux is None:  # an empty accumulator adds nothing, and fixes no settings yet
+            return other
+        if self.loss.settings != other.loss.settings:
+            raise MetricError(
+                f"accumulation: the loss's WeightedMetric settings changed within one update: "
+                f"{_settings(other.loss)} in the microbatches added now, {_settings(self.loss)} in those "
+                "added before; every call of an update must build its loss with the same eps and min_denom"
+            )
         return Accumulated(jax.tree_util.tree_map(jnp.add, self.grads, other.grads), self.loss + other.loss,
-                           self.count + other.count)
+                           self.count + other.count, _add_aux(self.aux, other.aux))
+
+    def metrics(self) -> dict[str, jax.Array]:
+        """The loss and aux metrics of every microbatch added, reduced once with
+        `reduce_metrics`: what one scan over all of them reports."""
+        aux = {key: value if isinstance(value, (WeightedMetric, MaxMetric)) else value / self.count
+               for key, value in (self.aux or {}).items()}
+        return reduce_metrics({"loss": self.loss, **aux})
+
+
+def _settings(metric: WeightedMetric) -> str:
+    return f"eps={metric.eps}, min_denom={metric.min_denom}"
+
+
+def _aux_sums(aux: dict[str, Any]) -> dict[str, Any]:
+    """Aux metrics with a leading microbatch axis as float32 sums that add across calls:
+    weighted metrics as (Σnumerator, Σdenominator), maxima as the maximum, plain arrays as the sum
+    of per-microbatch means (`Accumulated.metrics` divides it by the count)."""
+
+    def fold(value):
+        if isinstance(value, WeightedMetric):
+            return WeightedMetric(jnp.sum(jnp.asarray(value.numerator, jnp.float32)),
+                                  jnp.sum(jnp.asarray(value.denominator, jnp.float32)), value.eps, value.min_denom)
+        if isinstance(value, MaxMetric):
+            return MaxMetric(jnp.max(jnp.asarray(value.value, jnp.float32)))
+        value = jnp.asarray(value, jnp.float32)
+        return jnp.sum(jnp.mean(value, axis=tuple(range(1, value.ndim))))
+
+    return {key: fold(value) for key, value in aux.items()}
+
+
+def _kind(value: Any) -> str:
+    return "weighted" if isinstance(value, WeightedMetric) else "max" if isinstance(value, MaxMetric) else "plain"
+
+
+def _add_aux(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    if a.keys() != b.keys():
+        raise MetricError(f"accumulation: the aux metrics changed within one update: keys {sorted(b)} in the "
+                          f"microbatches added now, {sorted(a)} in those added before; every call of an update "
+                          "must report the same aux keys")
+    out = {}
+    for key, x in a.items():
+        y = b[key]
+        if _kind(x) != _kind(y):
+            raise MetricError(f"accumulation: aux metric {key!r} is {_kind(y)} now but was {_kind(x)} earlier in "
+                              "the update; a key must keep its kind")
+        if isinstance(x, WeightedMetric) and isinstance(y, WeightedMetric):
+            if x.settings != y.settings:
+                raise MetricError(f"accumulation: aux metric {key!r} has {_settings(y)} now but {_settings(x)} "
+                                  "earlier in the update; build it with the same settings in every call")
+            out[key] = x + y
+        elif isinstance(x, MaxMetric) and isinstance(y, MaxMetric):
+            out[key] = MaxMetric(jnp.maximum(x.value, y.value))
+        else:
+            out[key] = x + y
+    return out
 
 
 def _leading_size(tree: Any) -> int:
@@ -116,8 +186,8 @@ def accumulate(loss_fn: LossFn, params: Any, static: Any, microbatches: Any, *, 
     """Scan `loss_fn(model, microbatch, key)` over the leading axis of `microbatches`.
 
     `params`/`static` are the `eqx.partition` of the model; only `params` is differentiated.
-    Returns the unnormalized sums (divide with `normalize`) and the aux metrics with a leading
-    microbatch axis.
+    Returns the unnormalized sums (divide with `normalize`; reduce with `Accumulated.metrics`)
+    and the aux metrics with a leading microbatch axis.
     """
 
     def numerator(p, mb, mb_key):
@@ -142,7 +212,7 @@ def accumulate(loss_fn: LossFn, params: Any, static: Any, microbatches: Any, *, 
     init = (zeros_like_grads(params), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
     (grads, num, den), (totals, aux) = jax.lax.scan(body, init, (microbatches, jnp.arange(count)))
     loss = WeightedMetric(num, den, totals.eps, totals.min_denom)
-    return Accumulated(grads, loss, jnp.asarray(count, jnp.int32)), aux
+    return Accumulated(grads, loss, jnp.asarray(count, jnp.int32), _aux_sums(aux)), aux
 
 
 def normalize(grads: Any, loss: WeightedMetric) -> Any:

@@ -1,8 +1,9 @@
 """The train state and the jitted train/eval steps built from any `loss_fn(model, batch, key)`.
 
 One update scans over k microbatches inside one program, or streams them across calls with
-`is_update_step=False`; both normalize Σ∇numerator once by the global denominator. Non-finite and
-empty (zero-denominator) updates are skipped under `lax.cond` without changing any state dtype.
+`is_update_step=False`; both normalize Σ∇numerator once by the global denominator and reduce the
+metrics once per update. Non-finite and empty (zero-denominator) updates are skipped under
+`lax.cond` without changing any state dtype.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ class Trainer:
     `step(state, batch)` splits the batch into `config.microbatches` interleaved parts inside the
     program; `step_microbatches(state, stacked)` takes a pre-stacked `[k, rows, ...]` batch (see
     `split_microbatches` for unequal sizes). Both return `(state, metrics)`, metrics reduced with
-    `reduce_metrics`; on an update step `loss` covers every microbatch of the update. Updates
+    `reduce_metrics`: on an update step the loss and aux metrics cover every microbatch of the
+    update, on a streaming call with `is_update_step=False` those of the call. Updates
     apply the state's own optimizer; the trainer's is the one `init` puts in new states.
     """
 
@@ -141,20 +143,18 @@ class Trainer:
         params, static = eqx.partition(state.model, eqx.is_inexact_array)
         acc = state.accumulator
         micro = self._stack(batch, presplit)
-        out, aux = accumulate(self.loss_fn, params, static, micro, key=state.key, update_step=state.step,
-                              start_index=0 if acc is None else acc.count)
-        if "loss" in aux:
+        call, _ = accumulate(self.loss_fn, params, static, micro, key=state.key, update_step=state.step,
+                             start_index=0 if acc is None else acc.count)
+        if "loss" in (call.aux or {}):
             raise ValueError("loss_fn: aux metrics may not use the key 'loss' (it names the objective itself)")
-        metrics = reduce_metrics({"loss": out.loss, **aux})
-        if acc is not None:  # the update's loss settings are those of its microbatches (not yet checked across calls)
-            out = dataclasses.replace(acc, loss=dataclasses.replace(acc.loss, eps=out.loss.eps,
-                                                                    min_denom=out.loss.min_denom)) + out
+        out = call if acc is None else acc + call  # refuses loss settings or aux keys that change mid-update
         if not is_update_step:
-            return dataclasses.replace(state, accumulator=out), metrics
+            return dataclasses.replace(state, accumulator=out), call.metrics()
 
+        metrics = out.metrics()  # every microbatch of the update, reduced once
         total = out.loss
         grads = normalize(out.grads, total)
-        loss = total.compute()
+        loss = metrics["loss"]
         finite = jnp.isfinite(loss) & _all_finite(grads)
         grad_norm = optax.tree.norm(grads)
         nonempty = total.denominator > 0  # the tokens counted, before a loss's eps / min_denom
@@ -185,7 +185,6 @@ class Trainer:
             accumulator=None if acc is None else Accumulated.zeros(params),
         )
         metrics.update(
-            loss=loss,
             grad_norm=grad_norm,
             update_applied=apply_update.astype(jnp.float32),
             nonfinite=nonfinite.astype(jnp.float32),
