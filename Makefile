@@ -20,10 +20,28 @@ $(UV):
 	$(UV) sync --python $(PYTHON) --all-packages --group dev --quiet
 	@touch $@
 
-# The pipeline on its default preset; Metaflow's datastore is .metaflow/, everything else runs/.
+# The pipeline on its default preset, or on `make run PRESET=smoke` (a name in flows/configs/) or
+# `PRESET=path/to/preset.toml`; Metaflow's datastore is .metaflow/, everything else runs/ (or the
+# preset's [run] output_dir, where the summary printed last is read from).
+PRESETS := $(sort $(basename $(notdir $(wildcard flows/configs/*.toml))))
+ifneq ($(strip $(PRESET)),)
+PRESET_FILE := $(firstword $(filter %.toml,$(wildcard $(PRESET) flows/configs/$(PRESET:.toml=).toml)))
+ifneq ($(filter run,$(MAKECMDGOALS)),)
+ifeq ($(PRESET_FILE),)
+$(error PRESET=$(PRESET): no such preset; give a name in flows/configs/ ($(PRESETS)) or the path of a .toml file)
+endif
+endif
+CONFIG_ARG := --config config $(PRESET_FILE)
+else
+PRESET_FILE := flows/configs/default.toml
+CONFIG_ARG :=
+endif
+
 run: sync
-	PYTHONUNBUFFERED=1 $(RUN) python flows/bd_pipeline.py run --max-workers 2
-	@$(RUN) python -c "from bd_train.stages import print_summary; print_summary('runs/latest/summary.json')"
+	PYTHONUNBUFFERED=1 $(RUN) python flows/bd_pipeline.py $(strip $(CONFIG_ARG) run) --max-workers 2
+	@$(RUN) python -c "import sys; from pathlib import Path; from bd_train.stages import parse_pipeline_config, \
+	pipeline_config, print_summary; config = pipeline_config(parse_pipeline_config(Path(sys.argv[1]).read_text())); \
+	print_summary(Path(config.run.output_dir) / 'latest' / 'summary.json')" $(PRESET_FILE)
 
 test: sync
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(RUN) pytest -q

@@ -1,9 +1,10 @@
 """SFT -> on-policy distillation -> GRPO for block-diffusion LMs, as a Metaflow flow.
 
-    python flows/bd_pipeline.py run                                  # the default preset
-    python flows/bd_pipeline.py --config config flows/configs/smoke.toml run
-    python flows/bd_pipeline.py resume                               # continue a failed run
-    python flows/bd_pipeline.py --config config flows/configs/scale_multihost.toml run --with kubernetes
+    make run PRESET=smoke                                 # set-up, then the flow on flows/configs/smoke.toml
+    .venv/bin/python flows/bd_pipeline.py run            # the default preset
+    .venv/bin/python flows/bd_pipeline.py --config config flows/configs/smoke.toml run
+    .venv/bin/python flows/bd_pipeline.py resume         # continue a failed run
+    .venv/bin/python flows/bd_pipeline.py --config config flows/configs/scale_multihost.toml run --with kubernetes
 
 Every training stage is a `@parallel` step over `[mesh] num_nodes` nodes (one by default): the
 nodes join one JAX process group and run the stage over the global mesh; node 0's result is
@@ -12,6 +13,8 @@ kept. Locally Metaflow starts the extra nodes as processes; on Kubernetes, one p
 
 Steps are thin: each calls a `bd_train.stages` function and keeps small artifacts (checkpoint
 paths, fingerprints, metric histories, eval tables); the work and its checks live in bd_train.
+Every stage's card is one task's: `end` prints the exact `card get <run>/<step>/<task>` of each
+(teacher and student SFT are two tasks of the step `sft`, so `card get <run>/sft` picks one).
 """
 
 import contextlib
@@ -19,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-# Defaults that let `python flows/bd_pipeline.py run` work with no environment set up.
+# Defaults that let `.venv/bin/python flows/bd_pipeline.py run` work with no environment set up.
 os.environ.setdefault("METAFLOW_USER", os.environ.get("USER") or "bdlm")
 if os.environ["METAFLOW_USER"] == "root":
     os.environ["METAFLOW_USER"] = "bdlm"
@@ -27,9 +30,15 @@ os.environ.setdefault("WANDB_MODE", "offline" if not os.environ.get("WANDB_API_K
 # Local @parallel starts the extra nodes with `python` from PATH: make that this interpreter.
 os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
-# `card` and `parallel` are attached to the package at import time (metaflow's plugins): not seen statically
-from metaflow import Config, FlowSpec, card, current, parallel, step  # noqa: E402  # pyright: ignore[reportAttributeAccessIssue]
-from metaflow.exception import MetaflowException  # noqa: E402
+try:
+    # `card` and `parallel` are attached to the package at import time (metaflow's plugins): not seen statically
+    from metaflow import Config, FlowSpec, card, current, parallel, step  # pyright: ignore[reportAttributeAccessIssue]
+    from metaflow.exception import MetaflowException
+except ModuleNotFoundError as err:  # a Python outside the workspace venv, e.g. a bare `python` in a fresh shell
+    if err.name != "metaflow":
+        raise
+    sys.exit(f"bd_pipeline: this Python ({sys.executable}) has no Metaflow. Run the flow in the workspace venv: "
+             "`make run PRESET=smoke` (sets it up), or `.venv/bin/python flows/bd_pipeline.py ...` after `make sync`.")
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "default.toml")
 
@@ -62,6 +71,18 @@ def _stage_call(fn, *args, **kwargs):
         raise StageRefused(str(err)) from None
 
 
+def card_commands(cards):
+    """What `end` prints: each card, by stage/role, with the command that saves it as HTML.
+    `cards` maps "stage/role" to the pathspec (flow/run/step/task) of the task that holds it."""
+    width = max(map(len, cards))
+    lines = ["cards (each command saves one as an HTML file):"]
+    for label, pathspec in cards.items():
+        task = pathspec.split("/", 1)[1]  # `card get` takes run/step/task, the flow being the file
+        lines.append(f"  {label:<{width}}  .venv/bin/python flows/bd_pipeline.py card get {task} "
+                     f"{label.replace('/', '-')}.html")
+    return "\n".join(lines)
+
+
 @contextlib.contextmanager
 def process_group(config):
     """Join this `@parallel` node to the stage's JAX process group (a no-op group for one node),
@@ -89,7 +110,8 @@ class BDPipeline(FlowSpec):
                     help="a TOML preset (flows/configs/); validated before anything runs")
 
     def _run_on_nodes(self, stage_fn, card_id, stage, **kwargs):
-        """Run a stage on this `@parallel` node inside the stage's process group; fill its card."""
+        """Run a stage on this `@parallel` node inside the stage's process group; fill its card and
+        add this task's pathspec to `cards` under "stage/role" (the only unambiguous card id)."""
         from bd_cards import stage_card
         from bd_nodes import fail_after
 
@@ -97,13 +119,16 @@ class BDPipeline(FlowSpec):
             self.node_index = group.process_id
             result = _stage_call(stage_fn, self.config, self.where, fail_after=fail_after(stage), **kwargs)
         stage_card(current.card[card_id], result)  # pyright: ignore[reportAttributeAccessIssue]
+        self.cards = {**self.cards, f"{card_id}/{result.role}": current.pathspec}
         return result
 
-    def _keep_node_zero(self, inputs, name):
-        """In the join after a `@parallel` step: node 0's artifact `name` (every node holds the same
-        result) and the artifacts the nodes share."""
-        setattr(self, name, next(getattr(node, name) for node in inputs if node.node_index == 0))
-        self.merge_artifacts(inputs, exclude=[name, "node_index"])
+    def _keep_node_zero(self, inputs, *names):
+        """In the join after a `@parallel` step: node 0's artifacts `names` (every node holds the
+        same result, and `cards` names each node's own task) and the artifacts the nodes share."""
+        node_zero = next(node for node in inputs if node.node_index == 0)
+        for name in names:
+            setattr(self, name, getattr(node_zero, name))
+        self.merge_artifacts(inputs, exclude=[*names, "node_index"])
 
     @step
     def start(self):
@@ -113,6 +138,7 @@ class BDPipeline(FlowSpec):
         self.where = RunDir.create(self.config, run_id=str(current.origin_run_id or current.run_id))
         print(f"run folder: {self.where.run_dir}")
         self.roles = ["teacher", "student"]
+        self.cards = {}  # "stage/role" -> the pathspec of the task that holds its card
         self.next(self.sft_launch, foreach="roles")
 
     @step
@@ -131,7 +157,7 @@ class BDPipeline(FlowSpec):
 
     @step
     def sft_nodes(self, inputs):
-        self._keep_node_zero(inputs, "result")
+        self._keep_node_zero(inputs, "result", "cards")
         self.next(self.join)
 
     @step
@@ -140,6 +166,7 @@ class BDPipeline(FlowSpec):
 
         self.where = inputs[0].where
         self.sft_results = {inp.role: inp.result for inp in inputs}
+        self.cards = {label: task for inp in inputs for label, task in inp.cards.items()}
         _stage_call(check_distillation_pair, self.sft_results["teacher"], self.sft_results["student"])
         self.next(self.opd_launch)
 
@@ -159,7 +186,7 @@ class BDPipeline(FlowSpec):
 
     @step
     def opd_nodes(self, inputs):
-        self._keep_node_zero(inputs, "opd_result")
+        self._keep_node_zero(inputs, "opd_result", "cards")
         self.next(self.grpo_launch)
 
     @step
@@ -177,7 +204,7 @@ class BDPipeline(FlowSpec):
 
     @step
     def grpo_nodes(self, inputs):
-        self._keep_node_zero(inputs, "grpo_result")
+        self._keep_node_zero(inputs, "grpo_result", "cards")
         self.next(self.end)
 
     @card(type="blank", id="summary")
@@ -194,6 +221,8 @@ class BDPipeline(FlowSpec):
             "student_grpo": self.grpo_result,
         }, self.where)
         summary_card(current.card["summary"], self.summary)  # pyright: ignore[reportAttributeAccessIssue]
+        self.cards = {**self.cards, "summary": current.pathspec}
+        print(card_commands(self.cards))
 
 
 if __name__ == "__main__":

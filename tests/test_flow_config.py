@@ -1,7 +1,10 @@
 """A new user's mistakes: each is one clear message that names the key or file, no traceback."""
 
 import dataclasses
+import importlib.util
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +100,82 @@ def test_rollout_semantics_pin_the_sampling_distribution():
     grpo = setup.config.grpo.sampler
     hotter = setup.rollout_semantics(dataclasses.replace(grpo, temperature=1.5))
     assert set(hotter.diff(setup.rollout_semantics(grpo))) == {"temperature"}
+
+
+def test_a_python_without_metaflow_is_told_how_to_run_the_flow(tmp_path):
+    """A bare `python` in a fresh shell has no Metaflow: one message with the commands that work."""
+    out = subprocess.run([sys.executable, "-S", str(FLOW), "show"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)  # -S: no site-packages, so no Metaflow
+    assert out.returncode != 0
+    assert "has no Metaflow" in out.stderr and "make run PRESET=smoke" in out.stderr, out.stderr
+    assert ".venv/bin/python flows/bd_pipeline.py" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def make_dry_run(*args):
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    return subprocess.run(["make", "-n", "run", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "preset, config",
+    [("smoke", "flows/configs/smoke.toml"), ("smoke.toml", "flows/configs/smoke.toml"),
+     ("flows/configs/pretrained.toml", "flows/configs/pretrained.toml")],
+)
+def test_make_run_passes_the_preset_to_the_flow(preset, config):
+    out = make_dry_run(f"PRESET={preset}")
+    assert out.returncode == 0, out.stderr
+    assert f"flows/bd_pipeline.py --config config {config} run --max-workers 2" in out.stdout, out.stdout
+
+
+def test_make_run_takes_a_preset_file_anywhere(tmp_path):
+    mine = tmp_path / "mine.toml"
+    mine.write_text("[sft]\nsteps = 3\n")
+    out = make_dry_run(f"PRESET={mine}")
+    assert out.returncode == 0, out.stderr
+    assert f"flows/bd_pipeline.py --config config {mine} run" in out.stdout, out.stdout
+
+
+def test_plain_make_run_is_the_default_preset():
+    out = make_dry_run()
+    assert out.returncode == 0, out.stderr
+    assert "flows/bd_pipeline.py run --max-workers 2" in out.stdout and "--config" not in out.stdout, out.stdout
+
+
+def test_make_run_refuses_an_unknown_preset_before_anything_runs():
+    out = make_dry_run("PRESET=smok")
+    assert out.returncode != 0
+    message = re.search(r"PRESET=smok: no such preset; give a name in flows/configs/ \((.*)\) or the path of a "
+                        r"\.toml file", out.stderr)
+    assert message and {"default", "smoke"} <= set(message.group(1).split()), out.stderr
+    assert "bd_pipeline.py" not in out.stdout
+
+
+@pytest.fixture
+def flow_module(monkeypatch):
+    """flows/bd_pipeline.py imported (its `__main__` block does not run); the variables it sets
+    at import are put back afterwards."""
+    for name in ("METAFLOW_USER", "WANDB_MODE", "PATH"):
+        monkeypatch.setenv(name, os.environ.get(name, "tester" if name == "METAFLOW_USER" else "offline"))
+    spec = importlib.util.spec_from_file_location("bd_pipeline_under_test", FLOW)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_end_names_every_card_by_stage_and_role_with_its_task(flow_module):
+    """Teacher and student SFT are two tasks of the step `sft` with one card id; only the task's
+    pathspec tells them apart, and each command names one."""
+    cards = {"sft/teacher": "BDPipeline/17/sft/4", "sft/student": "BDPipeline/17/sft/5",
+             "opd/student": "BDPipeline/17/opd/9", "grpo/student": "BDPipeline/17/grpo/12",
+             "summary": "BDPipeline/17/end/14"}
+    lines = flow_module.card_commands(cards).splitlines()
+    command = ".venv/bin/python flows/bd_pipeline.py card get"
+    assert lines[1:] == [
+        f"  sft/teacher   {command} 17/sft/4 sft-teacher.html",
+        f"  sft/student   {command} 17/sft/5 sft-student.html",
+        f"  opd/student   {command} 17/opd/9 opd-student.html",
+        f"  grpo/student  {command} 17/grpo/12 grpo-student.html",
+        f"  summary       {command} 17/end/14 summary.html",
+    ]

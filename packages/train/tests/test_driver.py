@@ -5,6 +5,7 @@ continues from the checkpoint (data position included) to the uninterrupted resu
 from __future__ import annotations
 
 import os
+import re
 import signal
 import tomllib
 from pathlib import Path
@@ -85,12 +86,27 @@ def test_sigterm_saves_and_a_second_drive_continues_to_the_uninterrupted_result(
     assert resumed.evaluation.metrics() == reference.evaluation.metrics()
 
 
-def test_fail_after_stops_right_after_a_saved_step_once(run):
+def test_fail_after_stops_right_after_a_saved_step_once(run, monkeypatch, capsys):
+    monkeypatch.setenv("BDLM_PROGRESS", "1")  # the bar's lines as a log (not a terminal) gets them
     with pytest.raises(SimulatedFailure, match="sft-student: simulated failure after step 3"):
         _drive(run, fail_after=3)
     assert _saved_steps(run) == [3]
+    first = capsys.readouterr().err
     resumed = _drive(run, fail_after=3)  # started at step 3: the failure is behind it
     assert [row["step"] for row in resumed.history] == list(range(1, TOTAL + 1))
+    second = capsys.readouterr().err
+    # The first step compiles: it is said with its time, and the bar starts after it (at 1, no rate
+    # yet), so that the bar's rate and ETA time compiled steps only; the evaluation after the bar's
+    # end is announced, not silent.
+    for err, bar_start, bar_end in ((first, "1/10", "3/10"), (second, "1/7", "7/7")):
+        compiled = re.search(r"^sft-student: compiled; the first step took \d+\.\d s", err, re.M)
+        started = re.search(rf"^sft-student: +\d+%\|[^|]*\| {bar_start} \[00:00<\?, \?it/s", err, re.M)
+        ended = re.search(rf"^sft-student: +\d+%\|[^|]*\| {bar_end} \[", err, re.M)
+        assert compiled and started and ended, err
+        assert compiled.start() < started.start() < ended.start(), err
+    assert "evaluating" not in first
+    evaluating = second.index("sft-student: evaluating on 16 held-out problems ...\n")
+    assert evaluating > second.index("| 7/7 ["), second
 
 
 def test_a_resume_under_changed_training_settings_is_refused_by_field(run, tmp_path):

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -111,9 +112,11 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             checkpoints.wait()
 
     with tracker_for(run, spec.name) as tracker:
-        bar = progress(total=(spec.total - start) // spec.updates_per_step, description=spec.name)
+        bar = None  # made after the first update, which compiles: its time would skew the bar's rate and ETA
+        begun = time.perf_counter()
 
         def on_update(state: TrainState, metrics: dict) -> None:
+            nonlocal bar
             step = int(state.step)
             row = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
             row["learning_rate"] = float(spec.learning_rate(step - 1))
@@ -125,8 +128,15 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             history.append(row)
             if step % cfg.run.log_every == 0 or step >= spec.total:
                 tracker.log(row, step=step)
-            bar.set_postfix({k: f"{row[k]:.3g}" for k in ("loss", "reward_mean") if k in row}, refresh=False)
-            bar.update(1)
+            postfix = {k: f"{row[k]:.3g}" for k in ("loss", "reward_mean") if k in row}
+            if bar is None:
+                print(f"{spec.name}: compiled; the first step took {time.perf_counter() - begun:.1f} s "
+                      "(left out of the progress bar's rate and ETA)", file=sys.stderr)
+                bar = progress(total=(spec.total - start) // spec.updates_per_step, description=spec.name,
+                               initial=1, postfix=postfix)
+            else:
+                bar.set_postfix(postfix, refresh=False)
+                bar.update(1)
             if fail_after is not None and start < fail_after <= step:
                 save(state)
                 raise SimulatedFailure(f"{spec.name}: simulated failure after step {step} (fail_after={fail_after})")
@@ -136,11 +146,15 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
                 state, preempted = run_updates(state, spec.total, lambda s: step_fn(s, int(s.step)), save=save,
                                                on_update=on_update, save_every=cfg.run.checkpoint_every)
             finally:
-                bar.close()
+                if bar is not None:
+                    bar.close()
             if preempted:
                 raise StageError(f"{spec.name}: stopped by SIGTERM at step {int(state.step)}; the checkpoint is "
                                  f"saved in {directory}; run `resume` to continue")
             checkpoints.close()
+            # said before the silent stretch (10-60 s) between the bar's 100% and the stage's end
+            print(f"{spec.name}: evaluating on {min(cfg.eval.n, len(run.source('eval')))} held-out problems"
+                  + (", then exporting" if cfg.run.export else "") + " ...", file=sys.stderr)
             evaluation = evaluate_report(state.model, run, key=spec.eval_key,
                                          title=f"{spec.role} after {spec.title}", mesh=spec.mesh)
             export = run.export(state.model, spec.name, spec.role) if cfg.run.export else None
@@ -170,16 +184,19 @@ def log_evaluation(tracker: Tracker, evaluation: Evaluation, *, step: int) -> No
     tracker.summary(metrics)
 
 
-def progress(*, total: int, description: str):
+def progress(*, total: int, description: str, initial: int = 0, postfix: Mapping[str, str] | None = None):
     """A tqdm bar on a terminal. Elsewhere (Metaflow step logs, CI) a bar redrawn with carriage
-    returns is one endless line, so tqdm prints a plain line every ~10% instead."""
+    returns is one endless line, so tqdm prints a plain line every ~10% instead. A bar made with
+    `initial` steps already done times only the steps after them (`drive` passes the first,
+    compiling step so)."""
     from tqdm.auto import tqdm
 
     disable = os.environ.get("BDLM_PROGRESS", "1") == "0"
     if sys.stderr.isatty():
-        return tqdm(total=total, desc=description, mininterval=1.0, dynamic_ncols=True, disable=disable)
-    return tqdm(total=total, desc=description, mininterval=15.0, miniters=max(1, total // 10),
-                ncols=100, ascii=True, disable=disable, file=_LineWriter(sys.stderr))
+        return tqdm(total=total, desc=description, initial=initial, postfix=postfix, mininterval=1.0,
+                    dynamic_ncols=True, disable=disable)
+    return tqdm(total=total, desc=description, initial=initial, postfix=postfix, mininterval=15.0,
+                miniters=max(1, total // 10), ncols=100, ascii=True, disable=disable, file=_LineWriter(sys.stderr))
 
 
 class _LineWriter:

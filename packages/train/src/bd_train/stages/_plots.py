@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from bd_data import ByteTokenizer
+
 
 def _figure(width: float, height: float):
     import matplotlib
@@ -31,15 +33,18 @@ def _png(plt, fig) -> bytes:
 
 
 def curves_png(history: Sequence[Mapping[str, float | int]], keys: Sequence[str], *, title: str) -> bytes | None:
-    """One panel per metric key found in `history` (a list of {"step": s, key: value, ...})."""
+    """One panel per metric key found in `history` (a list of {"step": s, key: value, ...}), at
+    most three to a row: six panels in one row are too narrow to read."""
     keys = [k for k in keys if any(k in row for row in history)]
     if not keys:
         return None
-    plt, fig = _figure(3.2 * len(keys), 2.6)
+    cols = min(3, len(keys))
+    rows = -(-len(keys) // cols)
+    plt, fig = _figure(3.2 * cols, 2.6 * rows)
     for i, key in enumerate(keys):
-        ax = fig.add_subplot(1, len(keys), i + 1)
-        rows = [row for row in history if key in row]
-        ax.plot([row["step"] for row in rows], [row[key] for row in rows], lw=1.5)
+        ax = fig.add_subplot(rows, cols, i + 1)
+        points = [row for row in history if key in row]
+        ax.plot([row["step"] for row in points], [row[key] for row in points], lw=1.5)
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
@@ -75,7 +80,7 @@ def trace_png(*, committed: np.ndarray, tokens: np.ndarray, step_valid: np.ndarr
     ax.imshow(colors[state.astype(int)], aspect="auto", interpolation="nearest")
     for r, row in enumerate(grid_text):
         for c, text in enumerate(row):
-            ax.text(c, r, text, ha="center", va="center", fontsize=8, family="monospace")
+            ax.text(c, r, text, ha="center", va="center", fontsize=8 if len(text) <= 4 else 5, family="monospace")
     for boundary in range(block_size, width, block_size):
         ax.axvline(boundary - 0.5, color="black", lw=1)
     ax.set_yticks(range(len(steps)))
@@ -87,12 +92,23 @@ def trace_png(*, committed: np.ndarray, tokens: np.ndarray, step_valid: np.ndarr
 
 
 def trace_text(tokenizer: Any) -> Callable[[int], str]:
-    """How a token is shown in the trace picture: ⏎ for end of text, · for what does not print."""
+    """How a token is shown in the trace picture: ⏎ for end of text, · for a blank (spaces only).
+    What does not print is escaped (`\\n`, `\\x07`), and a byte that is not UTF-8 on its own shows
+    as `\\xNN` (a replacement character would pass for a digit); a token that decodes to nothing,
+    or to undecodable bytes of a tokenizer that is not byte-level, shows its id as `#id`."""
+    byte_level = isinstance(tokenizer, ByteTokenizer)
+
     def text(token: int) -> str:
         if token == tokenizer.eos_id:
             return "⏎"
         decoded = tokenizer.decode([token], stop_at_eos=False)
-        return decoded if decoded.isprintable() and decoded.strip() else "·"
+        if not decoded:
+            return f"#{token}"
+        if not decoded.strip(" "):
+            return "·"
+        if "\ufffd" in decoded:
+            return f"\\x{token:02x}" if byte_level and 0 <= token < 256 else f"#{token}"
+        return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in decoded)
     return text
 
 
