@@ -182,6 +182,20 @@ def test_cards_show_curves_eval_samples_and_a_trace(resumed_run, flow_runs):
         assert text in card
     assert card.count('"type": "image"') == 1  # the four models' accuracy-vs-NFE curves
 
+    # one card per stage and role: `end` prints the exact command of each, the teacher's SFT card included
+    cards = run["end"].task.data.cards
+    assert set(cards) == {"sft/teacher", "sft/student", "opd/student", "grpo/student", "summary"}
+    stdout = run["end"].task.stdout
+    teacher_card = cwd / "sft_teacher_card.html"
+    for role in ("teacher", "student"):
+        assert f"card get {cards[f'sft/{role}'].split('/', 1)[1]} sft-{role}.html" in stdout
+    done = subprocess.run([sys.executable, flow_runs.flow, "card", "get", cards["sft/teacher"].split("/", 1)[1],
+                           str(teacher_card)], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    encoded = re.search(r'window.__MF_DATA__\["[^"]+"\] = "([^"]+)"', teacher_card.read_text()).group(1)
+    card = base64.b64decode(encoded).decode()
+    assert "sft-teacher" in card and "sft-student" not in card
+
 
 def test_first_grpo_update_has_ratio_one(resumed_run):
     _, run, _ = resumed_run

@@ -70,6 +70,8 @@ def test_opd_and_grpo_run_sharded_with_exact_replay(stages):
     for row in grpo.history:
         assert abs(row["ratio_first_update"] - 1.0) <= 1e-5 and row["clip_fraction_first_update"] == 0.0
     assert 0.0 <= grpo.evaluation.accuracy <= 1.0 and grpo.evaluation.n == 16
+    assert 0.0 <= grpo.evaluation.pass_at_k["pass@1"] <= grpo.evaluation.pass_at_k["pass@2"] <= 1.0
+    assert [p.decoding for p in grpo.evaluation.accuracy_vs_nfe] == ["τ 0.9", "one per step"]
 
 
 def test_two_processes_run_every_stage_like_one(stages):
@@ -93,6 +95,7 @@ def test_two_processes_run_every_stage_like_one(stages):
                 np.testing.assert_allclose(mine[0], reference[0], rtol=2e-5, atol=1e-6, err_msg=where)
                 np.testing.assert_allclose(mine, reference, rtol=1e-4, atol=1e-6, err_msg=where)
             assert got[stage]["evaluation"] == pytest.approx(want[stage]["evaluation"], rel=1e-6)
+            np.testing.assert_allclose(got[stage]["curve"], want[stage]["curve"], rtol=1e-6)
             assert got[stage]["samples"] == want[stage]["samples"]
     grpo = json.loads((group_dir / "stages-0.json").read_text())["grpo"]["history"]
     assert len({r["completion_length"] for r in grpo}) > 1  # the rollouts differ step to step, and agree
