@@ -1,0 +1,97 @@
+"""The whole stage chain (teacher and student SFT, OPD, GRPO) of the smoke preset in one process,
+for `test_sigkill.py` to kill and rerun: `python sigkill_worker.py <case dir>`. It works in
+`<case dir>` (checkpoints under `runs/pipeline/sigkill/checkpoints/<stage>/`) with one fixed run
+id, so a rerun continues from whatever checkpoints the killed attempt left, as the flow's `resume`
+does; a finished chain writes `<case dir>/done.json` (each stage's step and history). Every train
+state a stage restores from its own checkpoints is noted in `<case dir>/restores.jsonl` (stage and
+step), so a test can tell a continued stage from one that started over.
+
+The config is written relative to the case dir, so every case saves the same config in its
+checkpoints' metadata. `JAX_COMPILATION_CACHE_DIR`, if set, is the JAX cache of every case (in
+place of each one's `runs/jax_cache`), so that reruns compile little.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tomllib
+from pathlib import Path
+
+SMOKE = Path(__file__).resolve().parents[1] / "flows" / "configs" / "smoke.toml"
+RUN_ID = "sigkill"
+STAGES = ("sft-teacher", "sft-student", "opd", "grpo")
+
+
+def config() -> dict:
+    """The smoke preset, saving every 2 updates (several saves per stage: SFT 2, 4, 6; OPD 2, 3;
+    GRPO 2, 4), with a cheap evaluation (4 problems, greedy only)."""
+    from bd_train.stages import parse_pipeline_config
+
+    data = tomllib.loads(SMOKE.read_text())
+    data["run"].update(output_dir="runs", checkpoint_every=2, max_to_keep=2)
+    data["eval"].update(n=4, batch_size=4, samples_shown=2, samples=0, thresholds=[])
+    return parse_pipeline_config(data)
+
+
+def checkpoint_dir(case: Path, stage: str) -> Path:
+    return case / "runs" / "pipeline" / RUN_ID / "checkpoints" / stage
+
+
+def _share_compilation_cache() -> None:
+    """Point every stage's JAX persistent cache at the shared folder, and cache every program
+    however fast it compiled (the stages cache those over 0.5 s only, in `runs/jax_cache`). The
+    folder's path is part of JAX's cache keys, so a link from each case's `runs/jax_cache` to one
+    folder would share nothing."""
+    shared = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if not shared:
+        return
+    import jax
+
+    from bd_train.stages import Run
+
+    def enable_shared(self: Run) -> None:
+        jax.config.update("jax_compilation_cache_dir", shared)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+    Run.enable_compilation_cache = enable_shared  # type: ignore[method-assign]
+
+
+def _note_restores(case: Path) -> None:
+    """Append `{"stage", "step"}` to `restores.jsonl` after every `Checkpointer.restore` (the
+    driver's resume; start models are read with `restore_model`, which is not noted)."""
+    from bd_train import Checkpointer
+
+    restore = Checkpointer.restore
+
+    def noted(self: Checkpointer, target, **kwargs):
+        state = restore(self, target, **kwargs)
+        with open(case / "restores.jsonl", "a") as out:
+            out.write(json.dumps({"stage": Path(self.directory).name, "step": int(state.step)}) + "\n")
+        return state
+
+    Checkpointer.restore = noted  # type: ignore[method-assign]
+
+
+def main(case: Path) -> None:
+    from bd_train.stages import RunDir, check_distillation_pair, run_grpo, run_opd, run_sft
+
+    case.mkdir(parents=True, exist_ok=True)
+    os.chdir(case)
+    _share_compilation_cache()
+    _note_restores(case)
+    cfg = config()
+    where = RunDir.create(cfg, run_id=RUN_ID)
+    teacher = run_sft(cfg, where, role="teacher")
+    student = run_sft(cfg, where, role="student")
+    check_distillation_pair(teacher, student)
+    opd = run_opd(cfg, where, teacher=teacher, student=student)
+    grpo = run_grpo(cfg, where, start=opd)
+    results = dict(zip(STAGES, (teacher, student, opd, grpo)))
+    summary = {name: {"step": r.step, "history": r.history} for name, r in results.items()}
+    (case / "done.json").write_text(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]).resolve())
