@@ -20,7 +20,7 @@ from bd_core import Fingerprint, FingerprintMismatch
 
 from .._checkpoint import CheckpointError
 from .._loop import run_updates
-from ._evaluate import Evaluation, evaluate_report
+from ._evaluate import Evaluation, eval_examples, evaluate_report
 from ._plots import curves_png
 from ._run import Run, StageError, open_checkpoints
 from ._tracking import Tracker
@@ -153,7 +153,7 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
                                  f"saved in {directory}; run `resume` to continue")
             checkpoints.close()
             # said before the silent stretch (10-60 s) between the bar's 100% and the stage's end
-            print(f"{spec.name}: evaluating on {min(cfg.eval.n, len(run.source('eval')))} held-out problems"
+            print(f"{spec.name}: evaluating on {len(eval_examples(run))} held-out problems"
                   + (", then exporting" if cfg.run.export else "") + " ...", file=sys.stderr)
             evaluation = evaluate_report(state.model, run, key=spec.eval_key,
                                          title=f"{spec.role} after {spec.title}", mesh=spec.mesh)

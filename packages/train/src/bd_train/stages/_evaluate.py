@@ -98,7 +98,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def _eval_examples(run: Run) -> list[Example]:
+def eval_examples(run: Run) -> list[Example]:
+    """The held-out problems every evaluation decodes: the first `[eval] n` of the eval split."""
     source = run.source("eval")
     return [source[i] for i in range(min(run.config.eval.n, len(source)))]
 
@@ -136,7 +137,7 @@ def evaluate(model: Any, run: Run, *, key: jax.Array, title: str = "", mesh: jax
              sampler: SamplerSection | None = None) -> Evaluation:
     """Decoding of `[eval] n` held-out prompts with `[eval] sampler` (or `sampler`)."""
     cfg = run.config
-    examples = _eval_examples(run)
+    examples = eval_examples(run)
     decoded = _decode(model, run, examples, run.sampler_config(cfg.eval.sampler if sampler is None else sampler),
                       key=key, mesh=mesh)
     samples = tuple(Sample(e.prompt, e.answer, t, r) for e, t, r in
@@ -158,7 +159,7 @@ def sampled_pass_at_k(model: Any, run: Run, samples: int, *, key: jax.Array,
                       mesh: jax.sharding.Mesh | None = None) -> dict[str, float]:
     """pass@k for k = 1, 2, 4, ... ≤ `samples`, from `samples` rollouts per eval problem at the
     rollout decoding (`[grpo] sampler`), averaged over the problems."""
-    examples = _eval_examples(run)
+    examples = eval_examples(run)
     repeated = [e for e in examples for _ in range(samples)]
     decoded = _decode(model, run, repeated, run.sampler_config(run.config.grpo.sampler), key=key, mesh=mesh)
     correct = (decoded.rewards.reshape(len(examples), samples) == 1.0).sum(axis=1)
@@ -175,11 +176,16 @@ def decoding_settings(sampler: SamplerSection, thresholds: Sequence[float]) -> l
 
 
 def accuracy_vs_nfe(model: Any, run: Run, thresholds: Sequence[float], *, key: jax.Array,
-                    mesh: jax.sharding.Mesh | None = None, timed: bool = False) -> tuple[NFEPoint, ...]:
+                    mesh: jax.sharding.Mesh | None = None, timed: bool = False,
+                    known: Evaluation | None = None) -> tuple[NFEPoint, ...]:
     """`[eval] sampler` at each threshold and at one token per step. `timed`: decode each setting
-    twice and time the second pass (compiled), for generated tokens per second."""
-    examples, points = _eval_examples(run), []
+    twice and time the second pass (compiled), for generated tokens per second. `known`: the
+    `[eval] sampler`'s own evaluation with the same key, reused (untimed) where a setting is it."""
+    examples, points = eval_examples(run), []
     for label, section in decoding_settings(run.config.eval.sampler, thresholds):
+        if known is not None and not timed and section == run.config.eval.sampler:
+            points.append(NFEPoint(label, known.accuracy, known.mean_reward, known.nfe_per_token))
+            continue
         sampler = run.sampler_config(section)
         if timed:  # the first pass compiles; the timed pass reuses the program
             _decode(model, run, examples, sampler, key=key, mesh=mesh)
@@ -203,7 +209,7 @@ def evaluate_report(model: Any, run: Run, *, key: jax.Array, title: str = "", me
     thresholds = section.thresholds if thresholds is None else thresholds
     greedy = evaluate(model, run, key=key, title=title, mesh=mesh)
     passes = sampled_pass_at_k(model, run, samples, key=key, mesh=mesh) if samples else {}
-    curve = accuracy_vs_nfe(model, run, thresholds, key=key, mesh=mesh, timed=timed) if thresholds else ()
+    curve = accuracy_vs_nfe(model, run, thresholds, key=key, mesh=mesh, timed=timed, known=greedy) if thresholds else ()
     picture = accuracy_nfe_png({title or "model": [dataclasses.asdict(p) for p in curve]},
                                title=f"{title} accuracy vs NFE".strip()) if curve else None
     return dataclasses.replace(greedy, pass_at_k=passes, samples_per_problem=samples, accuracy_vs_nfe=curve,
