@@ -7,7 +7,7 @@ from typing import Any
 
 from metaflow.cards import Image, Markdown, Table
 
-from bd_train.stages import StageResult, curve_rows, pass_keys, summary_curve_png
+from bd_train.stages import StageResult, curve_rows, pass_keys, summary_curve_png, trained_text
 
 
 def _cell(value: Any) -> str:
@@ -17,6 +17,8 @@ def _cell(value: Any) -> str:
 def stage_card(card: Any, result: StageResult) -> None:
     """Fill a Metaflow card (`current.card[...]`) with the stage's curves, eval, samples and trace."""
     card.append(Markdown(f"# {result.stage}\ncheckpoint `{result.checkpoint_dir}` at step {result.step}"))
+    if result.params:
+        card.append(Markdown(f"trained parameters: {trained_text(result.params)}"))
     if result.curves_png:
         card.append(Image(result.curves_png, label="training curves"))
     evaluation = result.evaluation
@@ -50,9 +52,10 @@ def summary_card(card: Any, summary: Mapping[str, Mapping[str, Any]]) -> None:
     passes = pass_keys(summary)
     card.append(Markdown("# Held-out summary"))
     card.append(Table([[row, *(f"{v.get(k, float('nan')):.4g}" for k in ("accuracy", "mean_reward", "nfe_per_token")),
-                        str(v.get("n", "")), *(f"{v.get(k, float('nan')):.4g}" for k in passes)]
+                        str(v.get("n", "")), *(f"{v.get(k, float('nan')):.4g}" for k in passes),
+                        trained_text(v) if "params_trained" in v else "—"]
                        for row, v in summary.items()],
-                      headers=["model", "accuracy", "mean reward", "NFE/token", "n", *passes]))
+                      headers=["model", "accuracy", "mean reward", "NFE/token", "n", *passes, "trained params"]))
     decodings, rows = curve_rows(summary)
     if rows:
         card.append(Markdown("## Accuracy @ NFE per token, by decoding"))

@@ -1,7 +1,8 @@
 """bd_models: the Equinox block-diffusion decoder, its attention implementations, sharding,
-KV cache, FLOP counts, the sampler with its sampling distribution, trace scoring, and Hugging Face
-checkpoints in and out (`from_pretrained`, `save_pretrained`: Qwen3, SDAR, Qwen2, Fast-dLLM v2,
-Llama). Depends on bd_core only. Shape letters: see bd_core.
+KV cache, FLOP counts, LoRA adapters (`add_lora`, `merge`, `base_model`), the sampler with its
+sampling distribution, trace scoring, and Hugging Face checkpoints in and out (`from_pretrained`,
+`save_pretrained`: Qwen3, SDAR, Qwen2, Fast-dLLM v2, Llama). Depends on bd_core only. Shape
+letters: see bd_core.
 """
 
 from bd_core import ConfigError as ConfigError
@@ -23,6 +24,17 @@ from ._hf_io import from_pretrained as from_pretrained
 from ._hf_io import read_hf_config as read_hf_config
 from ._hf_io import save_pretrained as save_pretrained
 from ._layers import DecoderLayer as DecoderLayer
+from ._lora import LoRAConfig as LoRAConfig
+from ._lora import LoRAWeight as LoRAWeight
+from ._lora import add_lora as add_lora
+from ._lora import base_model as base_model
+from ._lora import count_params as count_params
+from ._lora import has_adapters as has_adapters
+from ._lora import merge as merge
+from ._lora import trainable as trainable
+from ._lora import trainable_filter as trainable_filter
+from ._lora import weights_digest as weights_digest
+from ._lora import with_dropout_keys as with_dropout_keys
 from ._mask import tile_needed as tile_needed
 from ._model import BlockDiffusionLM as BlockDiffusionLM
 from ._sampler import RecomputeModel as RecomputeModel

@@ -310,7 +310,11 @@ def save_pretrained(model: BlockDiffusionLM, path: str | Path, *, model_type: st
     from safetensors.numpy import save_file
 
     from ._hf_config import _layout_for
+    from ._lora import has_adapters
 
+    if has_adapters(model):
+        raise PretrainedError("save_pretrained: the model carries LoRA adapters; export merge(model) (the adapters "
+                              "folded into the weights) instead")
     config = model.config
     model_type = model_type or (base_config or {}).get("model_type") or _layout_for(config)
     if model_type not in ARCHITECTURES:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ._config import ModelConfig, RopeScaling
+from ._lora import LoRAWeight, lora_matmul
 
 Array = jax.Array
 
@@ -58,8 +59,11 @@ def apply_rope(x_BxTxHxE, cos, sin) -> Array:
 
 
 def _matmul(x, w, dtype, bias=None) -> Array:
-    """`x [rows, in] @ w [in, out]` (+ `bias [out]`) in `dtype`."""
-    y = jnp.dot(x, w.astype(dtype), preferred_element_type=dtype)
+    """`x [rows, in] @ w [in, out]` (+ `bias [out]`) in `dtype`; `w` may carry a LoRA adapter."""
+    if isinstance(w, LoRAWeight):
+        y = lora_matmul(x, w, dtype)
+    else:
+        y = jnp.dot(x, w.astype(dtype), preferred_element_type=dtype)
     return y if bias is None else y + bias.astype(dtype)
 
 
@@ -71,14 +75,14 @@ class DecoderLayer(eqx.Module):
     """One pre-norm block: x + Attn(norm(x)), then x + down(act(gate(norm(x))) * up(norm(x)))."""
 
     attn_norm: Array
-    wq: Array
-    wk: Array
-    wv: Array
-    wo: Array
+    wq: Array | LoRAWeight  # a projection may carry a LoRA adapter (`add_lora`)
+    wk: Array | LoRAWeight
+    wv: Array | LoRAWeight
+    wo: Array | LoRAWeight
     mlp_norm: Array
-    w_gate: Array
-    w_up: Array
-    w_down: Array
+    w_gate: Array | LoRAWeight
+    w_up: Array | LoRAWeight
+    w_down: Array | LoRAWeight
     q_norm: Array | None
     k_norm: Array | None
     bq: Array | None

@@ -41,6 +41,10 @@ _SPECS = {
     "bv": (MODEL_AXIS,),
 }
 
+# A LoRA-wrapped projection (`LoRAWeight`): the frozen matrix keeps its rule, `lora_a [in, r]`
+# splits its input axis like the matrix, `lora_b [r, out]` its output axis; r is never split.
+_LORA_PARTS = ("base", "lora_a", "lora_b")
+
 
 # jax.Device is the jaxlib class re-exported by assignment, and jaxlib ships no stub: pyright sees a variable.
 def make_mesh(data: int, fsdp: int, model: int,
@@ -81,9 +85,19 @@ def param_partition_specs(model, mesh: Mesh | None = None):
 
     def spec(path, leaf):
         name = _name(path)
-        if name not in _SPECS:
+        if name in _LORA_PARTS and len(path) > 1:  # a LoRA-wrapped projection: split like its matrix
+            parent = _name(path[:-1])
+            if parent not in _SPECS:
+                raise ValueError(f"param_partition_specs: no partition rule for parameter {jax.tree_util.keystr(path)}")
+            rule = _SPECS[parent]
+            rule = {"base": rule, "lora_a": (rule[0], "__none__"), "lora_b": ("__none__", rule[1])}[name]
+        elif name == "dropout_key":
+            rule = ()
+        elif name in _SPECS:
+            rule = _SPECS[name]
+        else:
             raise ValueError(f"param_partition_specs: no partition rule for parameter {jax.tree_util.keystr(path)}")
-        axes = [None if a == "__none__" else a for a in _SPECS[name]]
+        axes = [None if a == "__none__" else a for a in rule]
         axes = [None] * (np.ndim(leaf) - len(axes)) + axes  # the stacked layer axis is never split
         for dim, axis in enumerate(axes):
             if mesh is not None and axis is not None and np.shape(leaf)[dim] % mesh.shape[axis]:

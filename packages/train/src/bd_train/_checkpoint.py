@@ -26,6 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from bd_core import Fingerprint, FingerprintMismatch
+from bd_models import trainable, trainable_filter
 
 from ._fingerprints import as_plain_dict
 
@@ -107,10 +108,17 @@ def _is_key(x: Any) -> bool:
     return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
 
 
+def _fill_trained(model: Any, nested: Mapping) -> Any:
+    """`model` with its trained leaves replaced by the same-path entries of `nested`; a LoRA
+    model's frozen base is kept as it is."""
+    spec = trainable_filter(model)
+    return eqx.combine(_fill(eqx.filter(model, spec), nested), eqx.filter(model, spec, inverse=True))
+
+
 def _arrays_of(state: TrainState) -> dict[str, Any]:
     key = state.key
     return {
-        "model": _nested(state.model),
+        "model": _nested(trainable(state.model)),  # a LoRA model: its adapters only
         "opt_state": _nested(state.opt_state),
         "rng": {"key": jax.eval_shape(jax.random.key_data, key)
                 if isinstance(key, jax.ShapeDtypeStruct) and _is_key(key)
@@ -178,9 +186,10 @@ def _versions() -> dict[str, str]:
 class Checkpointer:
     """Saves and restores `TrainState`s under `directory/<step>` with an Orbax `CheckpointManager`.
 
-    Items: `model`, `opt_state`, `rng`, `counters` (arrays), `meta` (JSON: fingerprints, versions,
-    config) and, when given, `data` (a grain iterator's state). Saves are atomic (Orbax writes a
-    temp dir and renames it); stray temp dirs are ignored.
+    Items: `model` (its trained arrays: a LoRA model's adapters only), `opt_state`, `rng`,
+    `counters` (arrays), `meta` (JSON: fingerprints, versions, config) and, when given, `data` (a
+    grain iterator's state). Saves are atomic (Orbax writes a temp dir and renames it); stray temp
+    dirs are ignored.
     """
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, async_save: bool = False,
@@ -351,17 +360,19 @@ class Checkpointer:
                       fingerprints: Mapping[str, Fingerprint] | None = None) -> Any:
         """Only the model of a saved state, restored into the structure, shardings and dtypes of
         `target` (a model, or its `eqx.filter_eval_shape` with shardings), after checking
-        `fingerprints` and the model's leaves; the optimizer state is not read."""
+        `fingerprints` and the model's leaves; the optimizer state is not read. For a LoRA
+        checkpoint `target` is the base with adapters (`add_lora`): the adapters are read, the
+        base is kept."""
         step = self._resolve(step)
         self.check_fingerprints(fingerprints or {}, step)
-        self._check_items({"model": _nested(target)}, step)
-        arrays = _nested(target)
+        arrays = _nested(trainable(target))
+        self._check_items({"model": arrays}, step)
         mesh = _mesh_of(arrays)
         abstract = jax.tree_util.tree_map(lambda x: _abstract(x, mesh), arrays)
         meta = self.read_meta(step)
         restored = self._read(step, ocp.args.Composite(model=ocp.args.StandardRestore(abstract)), "the model")
         self._verify({"model": restored["model"]}, step, meta)
-        return _fill(target, restored["model"])
+        return _fill_trained(target, restored["model"])
 
     def restore(self, target: TrainState, *, step: int | None = None,
                 fingerprints: Mapping[str, Fingerprint] | None = None, data_iterator: Any = None,
@@ -392,7 +403,7 @@ class Checkpointer:
         return dataclasses.replace(
             target,
             step=counters["step"],
-            model=_fill(target.model, restored.get("model") or {}),
+            model=_fill_trained(target.model, restored.get("model") or {}),
             opt_state=_fill(target.opt_state, restored.get("opt_state") or {}),
             key=key,
             nonfinite_total=counters["nonfinite_total"],

@@ -14,6 +14,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from bd_core import DiffusionTokenBatch, LossOutput, WeightedMetric
+from bd_models import with_dropout_keys
 
 
 def token_cross_entropy(logits: Float[Array, "B T V"], targets: Int[Array | np.ndarray, "B T"],
@@ -43,6 +44,9 @@ def sft_loss(logits: Float[Array, "B T V"], batch: DiffusionTokenBatch) -> LossO
 
 
 def sft_objective(model: Any, batch: DiffusionTokenBatch, key: jax.Array | None = None) -> LossOutput:
-    """`loss_fn` for the trainer: the model's logits on the batch layout, scored by `sft_loss`."""
-    del key  # the forward pass is deterministic; corruption happened in the data pipeline
+    """`loss_fn` for the trainer: the model's logits on the batch layout, scored by `sft_loss`.
+    The forward pass is deterministic (corruption happened in the data pipeline) except for LoRA
+    adapters with dropout, which draw their masks from `key`."""
+    if key is not None:
+        model = with_dropout_keys(model, key)
     return sft_loss(model(batch.layout), batch)

@@ -1,6 +1,8 @@
 """The train state and the jitted train/eval steps built from any `loss_fn(model, batch, key)`.
 
-One update scans over k microbatches inside one program, or streams them across calls with
+What trains is `bd_models.trainable_filter(model)`: every floating array, or only the LoRA
+adapters of an adapted model (the frozen base is then neither differentiated nor updated). One
+update scans over k microbatches inside one program, or streams them across calls with
 `is_update_step=False`; both normalize Σ∇numerator once by the global denominator and reduce the
 metrics once per update. Non-finite and empty (zero-denominator) updates are skipped under
 `lax.cond` without changing any state dtype.
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from bd_core import as_loss_output, config_error, reduce_metrics
+from bd_models import trainable_filter
 
 from ._accumulate import Accumulated, LossFn, accumulate, interleave_microbatches, microbatch_key, normalize
 
@@ -63,7 +66,7 @@ class TrainState(eqx.Module):
              streaming: bool = False) -> TrainState:
         """A fresh state; `streaming=True` carries an `Accumulated` across calls with
         `is_update_step=False`."""
-        params = eqx.filter(model, eqx.is_inexact_array)
+        params = eqx.filter(model, trainable_filter(model))
         zero = jnp.zeros((), jnp.int32)
         return cls(step=zero, model=model, opt_state=optimizer.init(params), key=key, nonfinite_total=zero,
                    nonfinite_streak=zero, accumulator=Accumulated.zeros(params) if streaming else None,
@@ -71,7 +74,8 @@ class TrainState(eqx.Module):
 
     @property
     def params(self) -> Any:
-        return eqx.filter(self.model, eqx.is_inexact_array)
+        """What trains: every floating array, or only the LoRA adapters of an adapted model."""
+        return eqx.filter(self.model, trainable_filter(self.model))
 
 
 def _cast_like(tree: Any, dtypes: Any) -> Any:
@@ -140,7 +144,7 @@ class Trainer:
         return interleave_microbatches(batch, self.config.microbatches)
 
     def _train_impl(self, state: TrainState, batch: Any, is_update_step: bool, presplit: bool):
-        params, static = eqx.partition(state.model, eqx.is_inexact_array)
+        params, static = eqx.partition(state.model, trainable_filter(state.model))  # a LoRA base stays in static
         acc = state.accumulator
         micro = self._stack(batch, presplit)
         call, _ = accumulate(self.loss_fn, params, static, micro, key=state.key, update_step=state.step,

@@ -39,6 +39,7 @@ from ._summary import pass_keys as pass_keys
 from ._summary import print_summary as print_summary
 from ._summary import summarize as summarize
 from ._summary import summary_curve_png as summary_curve_png
+from ._summary import trained_text as trained_text
 from ._tracking import Tracker as Tracker
 from .grpo import run_grpo as run_grpo
 from .opd import run_opd as run_opd

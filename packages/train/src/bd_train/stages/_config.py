@@ -71,6 +71,33 @@ class TokenizerSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRASection:
+    """LoRA adapters instead of full fine-tuning in the named `stages` (`bd_models.LoRAConfig`):
+    each such stage freezes the model it starts from and trains fresh adapters on it (rank,
+    alpha, the projections in `targets`, input `dropout` in SFT only); its checkpoints hold the
+    adapters only, and the next stage starts from the merged model."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("wq", "wk", "wv", "wo")
+    dropout: float = 0.0
+    stages: tuple[Literal["sft", "opd", "grpo"], ...] = ("sft", "opd", "grpo")
+
+    def __post_init__(self):
+        try:  # validates rank, alpha, targets and dropout, naming the field
+            self.lora_config()
+        except ConfigError as err:
+            raise ConfigError(str(err).removeprefix("LoRAConfig.")) from None
+        if not self.stages or len(set(self.stages)) != len(self.stages):
+            raise config_error("", "stages", list(self.stages), "distinct names from ['sft', 'opd', 'grpo']")
+
+    def lora_config(self):
+        from bd_models import LoRAConfig
+
+        return LoRAConfig(rank=self.rank, alpha=self.alpha, targets=self.targets, dropout=self.dropout)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSection:
     """Architecture sizes; vocab and block size come from the tokenizer and canvas. `pretrained`
     starts from a Hugging Face checkpoint folder instead (config.json + safetensors: Qwen3, SDAR,
@@ -87,6 +114,7 @@ class ModelSection:
     remat: Literal["none", "full", "save_matmuls"] = "none"  # what the backward pass recomputes per layer
     checkpoint: str | None = None  # start from this SFT checkpoint folder instead of training
     pretrained: str | None = None  # SFT starts from this Hugging Face checkpoint folder
+    lora: LoRASection | None = None  # train LoRA adapters instead of every weight (in lora.stages)
 
     def __post_init__(self):
         if self.checkpoint is not None and not Path(self.checkpoint).is_dir():
@@ -281,6 +309,21 @@ class PipelineConfig:
                 raise ConfigError(f"tokenizer.path: the teacher's {str(files[0])!r} and the student's "
                                   f"{str(files[1])!r} differ, and distillation needs one tokenizer; pick "
                                   f"checkpoints of one family, or set [tokenizer] path to the one both use")
+        for role in ("teacher", "student"):
+            section = getattr(self, role)
+            lora = section.lora
+            if lora is None:
+                continue
+            if role == "teacher" and "sft" not in lora.stages:
+                raise ConfigError(f"teacher.lora.stages: {list(lora.stages)}; the teacher trains in 'sft' only, so "
+                                  "stages must include 'sft' (or remove [teacher] lora)")
+            if "sft" in lora.stages and section.checkpoint is None and section.pretrained is None:
+                raise ConfigError(f"{role}.lora.stages: 'sft' trains adapters on the model SFT starts from, and the "
+                                  f"{role} has no pretrained checkpoint (a random initialization is no base to adapt); "
+                                  f"set [{role}] pretrained, or drop 'sft' from lora.stages")
+            if "sft" in lora.stages and section.checkpoint is not None:
+                raise ConfigError(f"{role}.lora.stages: 'sft' is listed but the {role} adopts the finished SFT "
+                                  f"checkpoint {section.checkpoint!r} (nothing trains there); drop 'sft'")
         if self.canvas.policy != "block_aligned":
             raise ConfigError("canvas.policy: the pipeline's rollouts (OPD, GRPO, eval) decode on the block-aligned "
                               "canvas; use policy = 'block_aligned' (the contiguous canvas is for bd_data's SFT "

@@ -25,6 +25,9 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
         return value
     origin = _origin(tp)
     if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is not None and len(options) == 1:  # an optional setting that is given: its own error
+            return _check_type(value, options[0], where)
         errors = []
         for option in typing.get_args(tp):
             try:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from bd_core import Fingerprint, FingerprintMismatch
+from bd_models import count_params, merge
 
 from .._checkpoint import CheckpointError
 from .._loop import run_updates
@@ -63,6 +64,7 @@ class StageResult:
     curves_png: bytes | None = None
     wandb_run_dir: str | None = None
     export_dir: str | None = None  # the Hugging Face export (`[run] export = true`)
+    params: dict[str, int] | None = None  # {"trained": ..., "total": ...}: LoRA trains a fraction
 
     @property
     def fingerprint(self) -> Fingerprint:
@@ -155,14 +157,18 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             # said before the silent stretch (10-60 s) between the bar's 100% and the stage's end
             print(f"{spec.name}: evaluating on {len(eval_examples(run))} held-out problems"
                   + (", then exporting" if cfg.run.export else "") + " ...", file=sys.stderr)
-            evaluation = evaluate_report(state.model, run, key=spec.eval_key,
+            # adapters merged: the model the next stage (and `evaluate`) restores, bit for bit
+            model = merge(state.model)
+            evaluation = evaluate_report(model, run, key=spec.eval_key,
                                          title=f"{spec.role} after {spec.title}", mesh=spec.mesh)
-            export = run.export(state.model, spec.name, spec.role) if cfg.run.export else None
+            export = run.export(model, spec.name, spec.role) if cfg.run.export else None
         log_evaluation(tracker, evaluation, step=spec.total)
+        tracker.summary({f"params_{k}": v for k, v in count_params(state.model).items()})
     return StageResult(stage=spec.name, role=spec.role, checkpoint_dir=str(directory), step=int(state.step),
                        identity=spec.fingerprints["identity"].to_json(), history=history, evaluation=evaluation,
                        curves_png=curves_png(history, spec.curves, title=f"{spec.title} ({spec.role})"),
-                       wandb_run_dir=str(tracker.run_dir), export_dir=None if export is None else str(export))
+                       wandb_run_dir=str(tracker.run_dir), export_dir=None if export is None else str(export),
+                       params=count_params(state.model))
 
 
 def tracker_for(run: Run, stage: str) -> Tracker:

@@ -30,19 +30,23 @@ from bd_data import (
 )
 from bd_models import (
     BlockDiffusionLM,
+    LoRAConfig,
     MeshError,
     ModelConfig,
     SamplerConfig,
     SamplingDistribution,
+    add_lora,
     check_divisibility,
     checkpoint_digest,
     from_pretrained,
     init_sharded,
     make_mesh,
+    merge,
     model_config_from_hf,
     param_partition_specs,
     read_hf_config,
     save_pretrained,
+    weights_digest,
 )
 
 from .._checkpoint import Checkpointer, CheckpointError
@@ -59,6 +63,7 @@ ROLES = ("teacher", "student")
 # Each stage's random stream: its key is `fold_in(key(seed), index)` and its data seed
 # `seed + index`. (The indices are the values earlier versions hard-coded, so runs reproduce.)
 STREAMS = {"sft-teacher": 0, "sft-student": 1, "opd": 2, "grpo": 3}
+ADAPTER_STREAMS = 100  # a stage's fresh LoRA adapters draw from stream 100 + its index
 # Fields that must agree between a teacher and the student it distills into: everything about
 # tokens and blocks, nothing about the architecture.
 SHARED_IDENTITY_KEYS = ("tokenizer", "vocab_size", "mask_id", "pad_id", "eos_id", "block_size", "canvas_policy",
@@ -284,7 +289,34 @@ class Run:
         if model.config != model_config:
             raise StageError(f"{role}: the model read from {getattr(self.config, role).pretrained} is not the "
                              f"configured one ({model.config} vs {model_config})")
+        lora = self.lora(role, "sft")
+        if lora is not None:
+            model = self.adapt(model, lora, f"sft-{role}")
         return TrainState.init(model, optimizer, key=jax.random.split(key)[1])
+
+    # -- LoRA ----------------------------------------------------------------------------------------
+
+    def lora(self, role: str, stage: str) -> LoRAConfig | None:
+        """The role's LoRA adapters in `stage` (`sft`, `opd`, `grpo`); None: full fine-tuning."""
+        section = getattr(self.config, role).lora
+        return section.lora_config() if section is not None and stage in section.stages else None
+
+    def adapt(self, base: Any, lora: LoRAConfig, stage: str) -> Any:
+        """`base` (the model the stage starts from) with the stage's fresh adapters: `B` is zero, so
+        the adapted model starts equal to its base."""
+        key = jax.random.fold_in(jax.random.key(self.config.run.seed), ADAPTER_STREAMS + STREAMS[stage])
+        return add_lora(base, lora, key=key)
+
+    @staticmethod
+    def adapters_pin(model: Any, lora: LoRAConfig | None, source: dict[str, str]) -> dict[str, Fingerprint]:
+        """What a LoRA stage's checkpoints pin beyond the identity: the adapter config, where the
+        base comes from (`{"pretrained": role}` or `{"checkpoint": folder}`) and a digest of the
+        base weights, so that adapters are never resumed or read on another base. Empty for full
+        fine-tuning."""
+        if lora is None:
+            return {}
+        return {"adapters": fingerprint({"lora": lora.to_dict(), "base_source": source,
+                                         "base_digest": weights_digest(model)})}
 
     def pretrained_model(self, role: str, *, mesh: jax.sharding.Mesh | None = None) -> BlockDiffusionLM:
         """The role's pretrained checkpoint as configured: the canvas's block size, the tokenizer's
@@ -297,8 +329,10 @@ class Run:
         return from_pretrained(folder, mesh=mesh, new_rows_from=self.tokenizer.mask_id if added else None, **kwargs)
 
     def export(self, model: BlockDiffusionLM, stage: str, role: str) -> Path:
-        """`model` as a Hugging Face checkpoint in `<run>/export/<stage>`: the pretrained source's
-        config keys kept, the block size and mask token id recorded, and the tokenizer as used."""
+        """`model` (adapters merged) as a Hugging Face checkpoint in `<run>/export/<stage>`: the
+        pretrained source's config keys kept, the block size and mask token id recorded, and the
+        tokenizer as used."""
+        model = merge(model)
         folder = Path(self.where.run_dir) / "export" / stage
         source = getattr(self.config, role).pretrained
         base = dict(read_hf_config(source)) if source else {}
@@ -315,19 +349,44 @@ class Run:
                       mesh: jax.sharding.Mesh | None = None) -> Any:
         """The model saved in `directory` (its latest step), after checking its identity fingerprint
         and leaves against `model_config`; any mismatch refuses with every differing field named.
-        With a mesh, it is restored straight into its shards."""
-        target = eqx.filter_eval_shape(BlockDiffusionLM, model_config, key=jax.random.key(0))
-        if mesh is not None:
-            specs = param_partition_specs(target, mesh)
-            target = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.NamedSharding(
-                mesh, spec)), target, specs)
+        With a mesh, it is restored straight into its shards.
+
+        A LoRA stage's checkpoint holds adapters only: its base is rebuilt first (the pretrained
+        checkpoint, or the earlier stage's checkpoint, recursively), must match the weights digest
+        the checkpoint pinned, and the adapters are then read onto it and merged."""
         checkpoints = open_checkpoints(directory, create=False)
         try:
+            saved = checkpoints.fingerprints()
+            if "adapters" in saved:
+                target = self._adapted_target(saved["adapters"], model_config, identity, what=what, mesh=mesh)
+                return merge(checkpoints.restore_model(target, fingerprints={"identity": identity}))
+            target = eqx.filter_eval_shape(BlockDiffusionLM, model_config, key=jax.random.key(0))
+            if mesh is not None:
+                specs = param_partition_specs(target, mesh)
+                target = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(
+                    x.shape, x.dtype, sharding=jax.NamedSharding(mesh, spec)), target, specs)
             return checkpoints.restore_model(target, fingerprints={"identity": identity})
         except (FingerprintMismatch, CheckpointError) as err:
             raise StageError(f"{what}: {err}") from None
         finally:
             checkpoints.close()
+
+    def _adapted_target(self, pinned: Fingerprint, model_config: ModelConfig, identity: Fingerprint, *, what: str,
+                        mesh: jax.sharding.Mesh | None) -> Any:
+        """The base a LoRA checkpoint was trained on, checked against its pinned digest, with
+        adapters of the pinned shape (their values are then read from the checkpoint)."""
+        source = pinned.fields["base_source"]
+        if "pretrained" in source:
+            base = self.pretrained_model(source["pretrained"], mesh=mesh)
+        else:
+            base = self.restore_model(source["checkpoint"], model_config, identity, mesh=mesh,
+                                      what=f"{what}: its base {source['checkpoint']}")
+        digest = weights_digest(base)
+        if digest != pinned.fields["base_digest"]:
+            raise StageError(f"{what}: its LoRA adapters were trained on a base ({source}) whose weights digest "
+                             f"was {pinned.fields['base_digest'][:12]}, but that base now reads {digest[:12]}: "
+                             f"adapters.base_digest differs. Restore the base it was trained on, or rerun the stage")
+        return add_lora(base, LoRAConfig(**pinned.fields["lora"]), key=jax.random.key(0))
 
 
 def _special_tokens(file: Path) -> dict[str, str]:

@@ -28,6 +28,8 @@ def summarize(results: Mapping[str, StageResult], where: RunDir) -> dict[str, di
             continue
         metrics = evaluation.metrics()
         summary[row] = {key: metrics[key] for key in SUMMARY_KEYS if key in metrics} | dict(evaluation.pass_at_k)
+        if results[row].params:  # how many parameters the stage trained (LoRA: its adapters)
+            summary[row] |= {f"params_{k}": v for k, v in results[row].params.items()}
         if evaluation.accuracy_vs_nfe:
             summary[row]["accuracy_vs_nfe"] = [dataclasses.asdict(p) for p in evaluation.accuracy_vs_nfe]
     print(format_summary(summary))
@@ -37,6 +39,20 @@ def summarize(results: Mapping[str, StageResult], where: RunDir) -> dict[str, di
     latest.mkdir(parents=True, exist_ok=True)
     (latest / "summary.json").write_text(text)
     return summary
+
+
+def trained_text(params: Mapping[str, Any]) -> str:
+    """`"1.8k of 24k (7.5%)"` from `{"trained": ..., "total": ...}` or a summary row's `params_*`."""
+    trained = params.get("trained", params.get("params_trained", 0))
+    total = params.get("total", params.get("params_total", 0))
+    return f"{_short(trained)} of {_short(total)} ({100 * trained / max(total, 1):.3g}%)"
+
+
+def _short(n: int) -> str:
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
 
 
 def pass_keys(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -70,14 +86,15 @@ def summary_curve_png(summary: Mapping[str, Mapping[str, Any]]) -> bytes | None:
 def format_summary(summary: Mapping[str, Mapping[str, Any]]) -> str:
     passes = pass_keys(summary)
     lines = [f"{'model':<14} {'accuracy':>9} {'reward':>8} {'n':>5} {'NFE/token':>10}"
-             + "".join(f" {k:>8}" for k in passes)]
+             + "".join(f" {k:>8}" for k in passes) + "  trained params"]
     for row, values in summary.items():
         if not values:
             lines.append(f"{row:<14} {'—':>9}")
             continue
         lines.append(f"{row:<14} {values['accuracy']:>9.3f} {values['mean_reward']:>8.3f} {values['n']:>5d} "
                      f"{values.get('nfe_per_token', float('nan')):>10.3f}"
-                     + "".join(f" {values.get(k, float('nan')):>8.3f}" for k in passes))
+                     + "".join(f" {values.get(k, float('nan')):>8.3f}" for k in passes)
+                     + (f"  {trained_text(values)}" if "params_trained" in values else ""))
     decodings, rows = curve_rows(summary)
     if rows:
         lines += ["", "accuracy @ NFE/token by decoding", f"{'model':<14}" + "".join(f" {d:>14}" for d in decodings)]

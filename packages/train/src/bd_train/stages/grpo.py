@@ -37,7 +37,13 @@ def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int 
     mesh = run.mesh(run.model_config("student"), batch_size=section.prompts_per_step * group)
     model = run.restore_model(start.checkpoint_dir, run.model_config("student"), identity,
                               what="student checkpoint after OPD", mesh=mesh)
-    reference = model if section.beta > 0 else None  # frozen: training builds new arrays
+    lora = run.lora("student", "grpo")
+    adapters = run.adapters_pin(model, lora, {"checkpoint": start.checkpoint_dir})
+    # The KL reference is the model GRPO starts from, frozen: training builds new arrays. With
+    # LoRA it is the adapted model's own base (adapters off), so no second copy is held.
+    reference = model if section.beta > 0 else None
+    if lora is not None:
+        model = run.adapt(model, lora, "grpo")
     sampler = run.sampler_config(section.sampler)
     grpo = GRPOConfig(advantage=section.advantage, ratio=section.ratio, aggregation=section.aggregation,
                       epsilon_low=section.epsilon_low, epsilon_high=section.epsilon_high, beta=section.beta,
@@ -69,6 +75,6 @@ def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int 
 
     spec = StageSpec("grpo", "student", "GRPO", total,
                      {"identity": identity, "rollout": run.rollout_semantics(section.sampler),
-                      "training": run.training("grpo")},
+                      "training": run.training("grpo"), **adapters},
                      optimizer.learning_rate_schedule(), GRPO_CURVES, keys["eval"], mesh, section.updates_per_rollout)
     return drive(run, spec, state, step_fn, prompts, fail_after=fail_after)

@@ -44,6 +44,10 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
     identity = run.identity("student")
     model = run.restore_model(student.checkpoint_dir, run.model_config("student"), identity,
                               what="student SFT checkpoint", mesh=mesh)
+    lora = run.lora("student", "opd")
+    adapters = run.adapters_pin(model, lora, {"checkpoint": student.checkpoint_dir})
+    if lora is not None:  # the SFT student is frozen; fresh adapters train
+        model = run.adapt(model, lora, "opd")
     sampler = run.sampler_config(section.sampler)
     loss_fn = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
                                       positions=section.positions, mask_id=mask_id))
@@ -62,7 +66,7 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
         state, metrics = trainer.step(state, on_mesh(DistillationBatch(replay.batch, logits), mesh))
         return state, {**metrics, **out.metrics()}
 
-    pinned = {"identity": identity, "teacher": teacher.fingerprint, "training": run.training("opd")}
+    pinned = {"identity": identity, "teacher": teacher.fingerprint, "training": run.training("opd"), **adapters}
     spec = StageSpec("opd", "student", "OPD", section.steps, pinned, optimizer.learning_rate_schedule(), OPD_CURVES,
                      keys["eval"], mesh)
     return drive(run, spec, state, step_fn, prompts, fail_after=fail_after)

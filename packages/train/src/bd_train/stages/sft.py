@@ -47,8 +47,10 @@ def run_sft(config: Any, where: RunDir, *, role: str, fail_after: int | None = N
         state, metrics = trainer.step(state, on_mesh(batch, mesh))
         return state, dict(metrics, tokens=float(batch.denom_weights.sum()))
 
-    spec = StageSpec(stage, role, "SFT", steps, {"identity": run.identity(role), "training": run.training(stage)},
-                     optimizer.learning_rate_schedule(), SFT_CURVES, keys["eval"], mesh)
+    pinned = {"identity": run.identity(role), "training": run.training(stage),
+              **run.adapters_pin(state.model, run.lora(role, "sft"), {"pretrained": role})}
+    spec = StageSpec(stage, role, "SFT", steps, pinned, optimizer.learning_rate_schedule(), SFT_CURVES, keys["eval"],
+                     mesh)
     return drive(run, spec, state, step_fn, data, fail_after=fail_after)
 
 
