@@ -28,8 +28,9 @@ def summarize(results: Mapping[str, StageResult], where: RunDir) -> dict[str, di
             continue
         metrics = evaluation.metrics()
         summary[row] = {key: metrics[key] for key in SUMMARY_KEYS if key in metrics} | dict(evaluation.pass_at_k)
-        if results[row].params:  # how many parameters the stage trained (LoRA: its adapters)
-            summary[row] |= {f"params_{k}": v for k, v in results[row].params.items()}
+        params = results[row].params
+        if params:  # how many parameters the stage trained (LoRA: its adapters)
+            summary[row] |= {f"params_{k}": v for k, v in params.items()}
         if evaluation.accuracy_vs_nfe:
             summary[row]["accuracy_vs_nfe"] = [dataclasses.asdict(p) for p in evaluation.accuracy_vs_nfe]
     print(format_summary(summary))
