@@ -1,7 +1,8 @@
 """OPD or GRPO settings against each other, from the same starting checkpoints of each seed.
 
 Reuses (or trains) the SFT and OPD checkpoints of `bench/rl_study.py`'s seed folders, then runs
-the stage once per variant — each a set of `[opd]` or `[grpo]` overrides — and prints the held-out
+the stage once per variant — each a set of `[opd]` or `[grpo]` overrides, or of other sections
+(`lora*`: the student trains LoRA adapters in that stage, `[student] lora`) — and prints the held-out
 accuracy (and for OPD the fraction of the teacher–student gap closed), per seed and as mean ± sd.
 Writes `bench/results/<stage>_sweep.json`.
 
@@ -38,7 +39,25 @@ GRPO_VARIANTS = {
     "lr3e-5": {"optim": {"lr": 3e-5}},
     "t0.7": {"sampler": {"temperature": 0.7}},
 }
+# LoRA against full fine-tuning at the same budget (steps, batch): rank 8 on all seven projections,
+# at the full run's learning rate and at a higher one (low-rank updates are usually run hotter).
+LORA = {"rank": 8, "alpha": 16.0, "targets": ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]}
+OPD_VARIANTS |= {"lora_r8": {"student": {"lora": LORA | {"stages": ["opd"]}}},
+                 "lora_r8_lr1e-2": {"student": {"lora": LORA | {"stages": ["opd"]}},
+                                    "opd": {"optim": {"lr": 1e-2}}}}
+GRPO_VARIANTS |= {"lora_r8": {"student": {"lora": LORA | {"stages": ["grpo"]}}},
+                  "lora_r8_lr1e-4": {"student": {"lora": LORA | {"stages": ["grpo"]}},
+                                     "grpo": {"optim": {"lr": 1e-4}}}}
 VARIANTS = {"opd": OPD_VARIANTS, "grpo": GRPO_VARIANTS}
+
+
+def overrides(stage: str, variant: dict) -> dict:
+    """A variant as `{section: overrides}`: plain entries belong to the swept stage's section."""
+    sections = {k: v for k, v in variant.items() if k in ("student", "opd", "grpo")}
+    own = {k: v for k, v in variant.items() if k not in ("student", "opd", "grpo")}
+    if own:
+        sections[stage] = {**sections.get(stage, {}), **own}
+    return sections
 
 
 def main() -> None:
@@ -68,7 +87,7 @@ def main() -> None:
         assert teacher.evaluation is not None and student.evaluation is not None
         for name in names:
             vconfig = parse_pipeline_config(preset_data(base, seed=seed, output_dir=args.output_dir,
-                                                        **{args.stage: variants[name]}))
+                                                        **overrides(args.stage, variants[name])))
             vwhere = RunDir.create(vconfig, run_id=f"seed{seed}-{args.stage}-{name}")
             t0 = time.perf_counter()
             if opd is None:
@@ -82,10 +101,13 @@ def main() -> None:
             closed = (result.evaluation.accuracy - student.evaluation.accuracy) / (
                 teacher.evaluation.accuracy - student.evaluation.accuracy)
             results.setdefault(name, {})[str(seed)] = result.evaluation.accuracy
+            results.setdefault(f"{name}/trained_params", {})[str(seed)] = (result.params or {}).get("trained", 0)
             print(f"seed {seed} {args.stage} {name}: accuracy {before:.3f} -> {result.evaluation.accuracy:.3f} "
                   f"(teacher {teacher.evaluation.accuracy:.3f}; the student now closes {closed:.2f} of the "
                   f"SFT gap), {time.perf_counter() - t0:.0f} s", flush=True)
     for name, per_seed in results.items():
+        if name.endswith("/trained_params"):
+            continue
         values = np.asarray(list(per_seed.values()))
         print(f"{name}: {values.mean():.3f} ± {values.std(ddof=1) if len(values) > 1 else 0:.3f}")
     print(f"{time.perf_counter() - start:.0f} s in all")

@@ -1,6 +1,7 @@
-"""The Metaflow pipeline run for real through the Runner API, on flows/configs/pretrained.toml:
-every stage starts from a Hugging Face checkpoint folder (the tiny SDAR-format fixture) and is
-exported back as one. (tests/test_parallel_flow.py runs the flow on models trained from scratch.)
+"""The Metaflow pipeline run for real through the Runner API, on flows/configs/lora.toml: every
+stage starts from a Hugging Face checkpoint folder (the tiny SDAR-format fixture) and is exported
+back as one; the teacher is fine-tuned fully, the student trains LoRA adapters in every stage.
+(tests/test_parallel_flow.py runs the flow on models trained from scratch.)
 
 One run is made to fail inside GRPO (after a checkpoint) and is finished by `resume`: that run
 proves the whole flow, the import and the exports, the W&B offline logs, the cards and resume at
@@ -12,13 +13,13 @@ import base64
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,13 +27,13 @@ import pytest
 from metaflow import Runner
 
 from bd_core import ViewLayout
-from bd_models import BlockDiffusionLM, from_pretrained, read_hf_config
+from bd_models import from_pretrained, read_hf_config
 from bd_train import Checkpointer, make_optimizer
-from bd_train.stages import Run, parse_pipeline_config
+from bd_train.stages import Run, StageError, parse_pipeline_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "flows" / "configs" / "smoke.toml"
-PRETRAINED = ROOT / "flows" / "configs" / "pretrained.toml"
+LORA = ROOT / "flows" / "configs" / "lora.toml"
 
 
 def absolute_preset(preset: Path, out: Path) -> Path:
@@ -81,16 +82,16 @@ def wandb_runs(root: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory, flow_runs):
-    """The pretrained flow, crashed after GRPO update 2 (checkpoint saved), then `resume`."""
+    """The LoRA flow, crashed after GRPO update 2 (checkpoint saved), then `resume`."""
     cwd = tmp_path_factory.mktemp("pipeline")
-    run, origin = flow_runs.crash_and_resume(absolute_preset(PRETRAINED, cwd / "pretrained.toml"), cwd,
+    run, origin = flow_runs.crash_and_resume(absolute_preset(LORA, cwd / "lora.toml"), cwd,
                                              fault="grpo:2")
     return cwd, run, origin
 
 
 def test_exports_read_back_with_the_trained_logits(resumed_run):
     cwd, _, _ = resumed_run
-    config = parse_pipeline_config((cwd / "pretrained.toml").read_text())
+    config = parse_pipeline_config((cwd / "lora.toml").read_text())
     run_dir = next((cwd / "runs" / "pipeline").iterdir())
     assert sorted(p.name for p in (run_dir / "export").iterdir()) == ["grpo", "opd", "sft-student", "sft-teacher"]
     export = run_dir / "export" / "grpo"
@@ -98,9 +99,14 @@ def test_exports_read_back_with_the_trained_logits(resumed_run):
     assert read_hf_config(export)["model_type"] == "sdar" and read_hf_config(export)["mask_token_id"] == 287
     assert (export / "tokenizer.json").is_file()
     setup = Run(config)
-    target = eqx.filter_eval_shape(BlockDiffusionLM, setup.model_config("student"), key=jax.random.key(0))
+    # GRPO's checkpoint holds adapters only; its model is rebuilt on the chain of bases
+    # (pretrained -> + SFT adapters -> + OPD adapters) and its own adapters merged
+    trained = setup.restore_model(run_dir / "checkpoints" / "grpo", setup.model_config("student"),
+                                  setup.identity("student"), what="grpo")
     with Checkpointer(run_dir / "checkpoints" / "grpo", create=False) as checkpoints:
-        trained = checkpoints.restore_model(target, fingerprints={"identity": setup.identity("student")})
+        saved = checkpoints._manager.item_metadata(checkpoints.latest_step())["model"]
+        names = {str(path[-1].key) for path, _ in jax.tree_util.tree_flatten_with_path(dict(saved))[0]}
+        assert names == {"lora_a", "lora_b"}, names
     for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(exported), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     start = from_pretrained(config["student"]["pretrained"])
@@ -112,6 +118,33 @@ def test_exports_read_back_with_the_trained_logits(resumed_run):
                         jnp.ones((2, 16), bool))
     np.testing.assert_array_equal(np.asarray(trained(layout)), np.asarray(exported(layout)))
     assert from_pretrained(run_dir / "export" / "sft-teacher").config == exported.config
+
+
+def test_adapters_on_another_base_are_refused_by_name(resumed_run, tmp_path):
+    """The same architecture and tensor names (so the same identity), one weight changed: the
+    base digest the adapters pinned tells them apart."""
+    from safetensors.numpy import load_file, save_file
+
+    cwd, _, _ = resumed_run
+    config = parse_pipeline_config((cwd / "lora.toml").read_text())
+    source = Path(config["student"]["pretrained"])
+    changed = tmp_path / "sdar-changed"
+    shutil.copytree(source, changed)
+    file, tensors = next((f, t) for f in sorted(changed.glob("*.safetensors")) for t in [load_file(str(f))]
+                         if any("mlp.up_proj" in k for k in t))
+    name = next(k for k in tensors if "mlp.up_proj" in k)
+    tensors[name] = tensors[name].copy()
+    tensors[name].flat[0] += 0.5
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    config["student"]["pretrained"] = str(changed)
+    run_dir = next((cwd / "runs" / "pipeline").iterdir())
+    setup = Run(config)
+    assert setup.identity("student").fields["architecture"] == Run(
+        parse_pipeline_config((cwd / "lora.toml").read_text())).identity("student").fields["architecture"]
+    with pytest.raises(StageError, match="adapters.base_digest differs") as err:
+        setup.restore_model(run_dir / "checkpoints" / "grpo", setup.model_config("student"), setup.identity("student"),
+                            what="grpo")
+    assert "sft-student" in str(err.value)  # the first link of the chain: the SFT adapters' pretrained base
 
 
 def test_resume_continues_grpo_from_its_latest_checkpoint(resumed_run):
@@ -131,9 +164,13 @@ def test_summary_table_is_kept_and_written(resumed_run):
     for row in summary.values():
         assert row["n"] == 16 and 0.0 <= row["accuracy"] <= 1.0 and 0.0 <= row["mean_reward"] <= 1.0
         assert 0.0 <= row["pass@1"] <= row["pass@2"] <= row["pass@4"] <= 1.0  # [eval] samples = 4 by default
+        assert row["params_trained"] <= row["params_total"]
         curve = row["accuracy_vs_nfe"]
         assert [p["decoding"] for p in curve] == ["τ 0.5", "τ 0.7", "τ 0.9", "τ 0.95", "one per step"]
         assert curve[-1]["nfe_per_token"] >= max(p["nfe_per_token"] for p in curve[:-1])
+    assert summary["teacher_sft"]["params_trained"] == summary["teacher_sft"]["params_total"]  # full fine-tuning
+    for row in ("student_sft", "student_opd", "student_grpo"):  # LoRA: the adapters of one stage
+        assert summary[row]["params_trained"] < 0.5 * summary[row]["params_total"]
     assert json.loads((cwd / "runs" / "latest" / "summary.json").read_text()) == summary
 
 
@@ -169,7 +206,7 @@ def test_cards_show_curves_eval_samples_and_a_trace(resumed_run, flow_runs):
     encoded = re.search(r'window.__MF_DATA__\["[^"]+"\] = "([^"]+)"', out.read_text()).group(1)
     card = base64.b64decode(encoded).decode()
     for text in ("Held-out evaluation", "Sample completions", "denoising trace", "mean_reward", "pass@4",
-                 "Accuracy vs NFE", "one per step"):
+                 "Accuracy vs NFE", "one per step", "trained parameters"):
         assert text in card
     assert card.count('"type": "image"') == 3  # training curves, accuracy vs NFE and the trace picture
     summary_card = cwd / "summary_card.html"
@@ -178,7 +215,8 @@ def test_cards_show_curves_eval_samples_and_a_trace(resumed_run, flow_runs):
     assert done.returncode == 0, done.stderr
     encoded = re.search(r'window.__MF_DATA__\["[^"]+"\] = "([^"]+)"', summary_card.read_text()).group(1)
     card = base64.b64decode(encoded).decode()
-    for text in ("Held-out summary", "pass@4", "Accuracy @ NFE per token", "student_grpo", "one per step"):
+    for text in ("Held-out summary", "pass@4", "Accuracy @ NFE per token", "student_grpo", "one per step",
+                 "trained params"):
         assert text in card
     assert card.count('"type": "image"') == 1  # the four models' accuracy-vs-NFE curves
 

@@ -169,6 +169,13 @@ def test_dropout_acts_only_under_a_training_key(layouts):
     assert with_dropout_keys(plain, jax.random.key(3)) is plain  # no dropout configured: untouched
 
 
+def test_config_round_trips_through_a_fingerprint():
+    from bd_core import fingerprint
+
+    pinned = fingerprint({"lora": ALL.to_dict()}).fields["lora"]  # canonical JSON: alpha 8.0 is stored as 8
+    assert LoRAConfig.from_dict(pinned) == ALL
+
+
 def test_config_errors_and_refusals_name_the_fix():
     with pytest.raises(ConfigError, match="LoRAConfig.rank"):
         LoRAConfig(rank=0)

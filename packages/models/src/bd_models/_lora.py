@@ -69,6 +69,12 @@ class LoRAConfig:
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets), "dropout": self.dropout}
 
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> LoRAConfig:
+        """From `to_dict()`'s values, also after a JSON round trip (which may turn 16.0 into 16)."""
+        return cls(rank=int(values["rank"]), alpha=float(values["alpha"]), targets=tuple(values["targets"]),
+                   dropout=float(values.get("dropout", 0.0)))
+
 
 class LoRAWeight(eqx.Module):
     """A frozen matrix `base [.., in, out]` with its adapter `lora_a [.., in, r]`, `lora_b [.., r, out]`."""
@@ -236,9 +242,3 @@ def weights_digest(model: Any) -> str:
         sums = np.asarray(jax.device_get(_checksums(leaf)))
         h.update(f"{jax.tree_util.keystr(path)}{tuple(leaf.shape)}{leaf.dtype}{sums.tolist()}".encode())
     return h.hexdigest()
-
-
-def lora_config_from(value: LoRAConfig | Mapping[str, Any] | None) -> LoRAConfig | None:
-    if value is None or isinstance(value, LoRAConfig):
-        return value
-    return LoRAConfig(**dict(value))

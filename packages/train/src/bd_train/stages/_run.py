@@ -386,7 +386,7 @@ class Run:
             raise StageError(f"{what}: its LoRA adapters were trained on a base ({source}) whose weights digest "
                              f"was {pinned.fields['base_digest'][:12]}, but that base now reads {digest[:12]}: "
                              f"adapters.base_digest differs. Restore the base it was trained on, or rerun the stage")
-        return add_lora(base, LoRAConfig(**pinned.fields["lora"]), key=jax.random.key(0))
+        return add_lora(base, LoRAConfig.from_dict(pinned.fields["lora"]), key=jax.random.key(0))
 
 
 def _special_tokens(file: Path) -> dict[str, str]:
