@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--variants", nargs="+", default=None)
     parser.add_argument("--output-dir", default=str(ROOT / "runs" / "rl_study"))
+    parser.add_argument("--results", default=None, help="the results file's name (default: <stage>_sweep)")
     args = parser.parse_args()
     variants = VARIANTS[args.stage]
     names = args.variants or list(variants)
@@ -101,17 +102,18 @@ def main() -> None:
             closed = (result.evaluation.accuracy - student.evaluation.accuracy) / (
                 teacher.evaluation.accuracy - student.evaluation.accuracy)
             results.setdefault(name, {})[str(seed)] = result.evaluation.accuracy
+            results.setdefault("start", {})[str(seed)] = before  # the stage's starting model
             results.setdefault(f"{name}/trained_params", {})[str(seed)] = (result.params or {}).get("trained", 0)
             print(f"seed {seed} {args.stage} {name}: accuracy {before:.3f} -> {result.evaluation.accuracy:.3f} "
                   f"(teacher {teacher.evaluation.accuracy:.3f}; the student now closes {closed:.2f} of the "
                   f"SFT gap), {time.perf_counter() - t0:.0f} s", flush=True)
     for name, per_seed in results.items():
-        if name.endswith("/trained_params"):
+        if name.endswith("/trained_params") or name == "start":
             continue
         values = np.asarray(list(per_seed.values()))
         print(f"{name}: {values.mean():.3f} ± {values.std(ddof=1) if len(values) > 1 else 0:.3f}")
     print(f"{time.perf_counter() - start:.0f} s in all")
-    write_results(f"{args.stage}_sweep", results)
+    write_results(args.results or f"{args.stage}_sweep", results)
 
 
 if __name__ == "__main__":
