@@ -37,3 +37,4 @@ def fail_after(stage: str) -> int | None:
     """The step after which `stage` is made to fail (`BDLM_FAIL_AFTER=<stage>:<step>`), or None."""
     name, _, step = os.environ.get(FAULT_ENV, "").partition(":")
     return int(step) if name == stage and step else None
+

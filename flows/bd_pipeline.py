@@ -40,6 +40,10 @@ except ModuleNotFoundError as err:  # a Python outside the workspace venv, e.g. 
     sys.exit(f"bd_pipeline: this Python ({sys.executable}) has no Metaflow. Run the flow in the workspace venv: "
              "`make run PRESET=smoke` (sets it up), or `.venv/bin/python flows/bd_pipeline.py ...` after `make sync`.")
 
+from bd_resume import rebase_cloned_mapper_tasks  # noqa: E402  (the flow's folder is on sys.path)
+
+rebase_cloned_mapper_tasks()
+
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "default.toml")
 
 

@@ -157,6 +157,21 @@ def test_resume_continues_grpo_from_its_latest_checkpoint(resumed_run):
     assert run["sft"].task.origin_pathspec is not None  # finished steps were cloned, not rerun
 
 
+def test_resume_of_a_resumed_run_clones_what_finished(resumed_run, flow_runs):
+    """`resume grpo` from the resumed run: SFT and OPD (cloned once already) are cloned again, not
+    rerun (flows/bd_resume.py), and GRPO continues from its final checkpoint: nothing trains."""
+    cwd, run, _ = resumed_run
+    with Runner(flow_runs.flow, show_output=False, cwd=str(cwd), env=flow_runs.env()).resume(
+            origin_run_id=run.id, step_to_rerun="grpo") as again:
+        assert again.status == "successful", again.stdout[-3000:] + again.stderr[-3000:]
+        rerun = again.run
+        for name in ("sft", "sft_nodes", "opd", "opd_nodes"):
+            assert all(task.origin_pathspec is not None for task in rerun[name]), name
+        assert rerun["grpo"].task.origin_pathspec is None
+        before, after = run["grpo"].task.data.grpo_result, rerun["grpo"].task.data.grpo_result
+        assert after.step == before.step and after.history == before.history
+
+
 def test_summary_table_is_kept_and_written(resumed_run):
     cwd, run, _ = resumed_run
     summary = run["end"].task.data.summary

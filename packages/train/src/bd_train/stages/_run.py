@@ -107,6 +107,7 @@ class Run:
     def __init__(self, config: Any, where: RunDir | None = None):
         self.config: PipelineConfig = pipeline_config(config)
         self._where = where
+        self._identities: dict[str, Fingerprint] = {}
 
     @property
     def where(self) -> RunDir:
@@ -224,7 +225,12 @@ class Run:
 
     def identity(self, role: str) -> Fingerprint:
         """Model identity: architecture (without how it is computed), tokenizer, special ids, block
-        size, canvas and alignment."""
+        size, canvas and alignment. Computed once per role (a pretrained role reads its files)."""
+        if role not in self._identities:
+            self._identities[role] = self._identity(role)
+        return self._identities[role]
+
+    def _identity(self, role: str) -> Fingerprint:
         tok, canvas = self.tokenizer, self.config.canvas
         architecture = {k: v for k, v in self.model_config(role).to_dict().items() if k not in EXECUTION_FIELDS}
         pretrained = getattr(self.config, role).pretrained
