@@ -4,7 +4,8 @@ loop and Orbax checkpoints — the library half. The pipeline's stages live in `
 `bd_train.distributed`.
 
 Every objective returns a `bd_core.LossOutput`; the trainer accumulates Σ∇numerator and
-Σdenominator over microbatches and devices and normalizes once.
+Σdenominator over microbatches and devices and normalizes once. A model with LoRA adapters
+(`bd_models.add_lora`) trains, accumulates and checkpoints its adapters only.
 """
 
 from ._accumulate import Accumulated as Accumulated

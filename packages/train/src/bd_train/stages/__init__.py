@@ -6,7 +6,8 @@ checkpoints, tracking, progress, evaluation and the `StageResult`. `Run` is the 
 (validated config, folders, named random streams, what the config builds); `roll_out` is the one
 rollout helper (sample → gather → decode → reward → NFE) of OPD, GRPO and `evaluate`. A role may
 start from a Hugging Face checkpoint folder (`pretrained`: its weights, architecture and tokenizer),
-and `[run] export` writes every stage's model back in that format.
+and `[run] export` writes every stage's model back in that format. `[role] lora` trains LoRA
+adapters instead in the stages it names, each on the frozen model the stage starts from.
 
 The stages need no orchestrator; `flows/bd_pipeline.py` is a thin Metaflow graph over them. With a
 `[mesh]` they run sharded over it, across processes too once `bd_train.distributed.initialize`
