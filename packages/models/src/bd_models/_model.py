@@ -111,7 +111,8 @@ class BlockDiffusionLM(eqx.Module):
 
         Chunk queries see the cache's valid entries (clean, with their block ids) and the chunk's
         own entries under the same rule as the packed layout. Committed entries must be valid
-        clean (view 0) tokens; they land at slot = position.
+        clean (view 0) tokens (an eager call that flags another raises; under jit it is not
+        written); they land at slot = position.
         """
         config = self.config
         cos, sin = rope_angles(chunk.positions, config)
@@ -132,6 +133,15 @@ class BlockDiffusionLM(eqx.Module):
         if commit is None:
             return logits, cache
         commit = jnp.asarray(commit) & jnp.asarray(chunk.valid)
-        commit = eqx.error_if(commit, jnp.any(commit & (chunk.view_ids != CLEAN_VIEW)),
-                              "forward_cached: commit flags a noisy (view != 0) entry; only clean entries are cached")
+        noisy = commit & (jnp.asarray(chunk.view_ids) != CLEAN_VIEW)
+        # Checked where the flags are concrete (an eager call). Under jit a flagged noisy entry is
+        # simply not written: a runtime check (`eqx.error_if`, a host callback) would keep every
+        # program that samples out of JAX's persistent compilation cache.
+        try:
+            flagged = bool(jnp.any(noisy))
+        except jax.errors.ConcretizationTypeError:  # traced: no value to check
+            flagged = False
+        if flagged:
+            raise ValueError("forward_cached: commit flags a noisy (view != 0) entry; only clean entries are cached")
+        commit = commit & ~noisy
         return logits, cache.write(k_LxBxTxKxE, v_LxBxTxKxE, chunk.positions, chunk.block_ids, commit)
