@@ -161,7 +161,8 @@ def test_resume_of_a_resumed_run_clones_what_finished(resumed_run, flow_runs):
     """`resume grpo` from the resumed run: SFT and OPD (cloned once already) are cloned again, not
     rerun (flows/bd_resume.py), and GRPO continues from its final checkpoint: nothing trains."""
     cwd, run, _ = resumed_run
-    with Runner(flow_runs.flow, show_output=False, cwd=str(cwd), env=flow_runs.env()).resume(
+    # W&B off: the other tests read this folder's logs of the crashed run and its resume
+    with Runner(flow_runs.flow, show_output=False, cwd=str(cwd), env=flow_runs.env(WANDB_MODE="disabled")).resume(
             origin_run_id=run.id, step_to_rerun="grpo") as again:
         assert again.status == "successful", again.stdout[-3000:] + again.stderr[-3000:]
         rerun = again.run
