@@ -27,6 +27,9 @@ def main() -> None:
         return parse(text, parsing_timeout=None) or parse(f"${text}$", parsing_timeout=None)  # type: ignore[arg-type]
 
     parsed_gold = lru_cache(maxsize=4096)(parsed)
+    # One comparison before `ready`: math-verify and sympy import more on first use (the LaTeX and
+    # expression parsers), which would otherwise count against the first answer's deadline.
+    verify(parsed(r"\frac{1}{2}"), parsed("1/2"), timeout_seconds=None)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     for line in sys.stdin:
