@@ -40,10 +40,6 @@ except ModuleNotFoundError as err:  # a Python outside the workspace venv, e.g. 
     sys.exit(f"bd_pipeline: this Python ({sys.executable}) has no Metaflow. Run the flow in the workspace venv: "
              "`make run PRESET=smoke` (sets it up), or `.venv/bin/python flows/bd_pipeline.py ...` after `make sync`.")
 
-from bd_resume import rebase_cloned_mapper_tasks  # noqa: E402  (the flow's folder is on sys.path)
-
-rebase_cloned_mapper_tasks()
-
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "default.toml")
 
 
@@ -230,4 +226,7 @@ class BDPipeline(FlowSpec):
 
 
 if __name__ == "__main__":
+    from bd_resume import rebase_cloned_mapper_tasks  # the flow's folder is on sys.path when run as a script
+
+    rebase_cloned_mapper_tasks()  # before the runtime clones anything (`resume`)
     BDPipeline()
