@@ -132,8 +132,7 @@ def _safe(check, *args):
 
 def test_slow_answers_stop_at_the_deadline_in_any_thread(data):
     """An input the screen lets through but sympy takes a minute on: the worker is killed at the
-    deadline and replaced, so the next answer is scored as usual. (The upper bounds only show it
-    did not run to the end; they leave room for a loaded machine.)"""
+    deadline and replaced, so the next answer is scored as usual."""
     task = MathTask(path=data[1], timeout_s=0.3)
     ex = Example("q", "\\frac{1}{2}")
     slow = "\\boxed{\\binom{999999}{499999}}"
@@ -145,9 +144,9 @@ def test_slow_answers_stop_at_the_deadline_in_any_thread(data):
 
     assert task.reward(ex, "1/2") == 1.0
     value, seconds, after = timed()
-    assert value == 0.0 and 0.3 <= seconds < 10.0 and after == 1.0  # `after` waits for the new worker
+    assert value == 0.0 and 0.3 <= seconds < 1.5 and after == 1.0  # `after` waits for the new worker
     with ThreadPoolExecutor(2) as pool:
         value, seconds, after = pool.submit(timed).result()
-        assert value == 0.0 and seconds < 10.0 and after == 1.0
+        assert value == 0.0 and seconds < 2.5 and after == 1.0
         assert list(pool.map(lambda text: task.reward(ex, text), ["0.5", "2/4", "0.4", "1"])) == [1, 1, 0, 0]
     assert verify_math("\\frac{1}{2}", slow, timeout_s=0.3) is None
