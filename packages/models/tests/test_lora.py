@@ -104,7 +104,8 @@ def test_merge_keeps_the_logits(layouts):
     got, want = _logits(merged, layout), _logits(adapted, layout)
     assert float(jnp.max(jnp.abs(got - _logits(_model(), layout)))) > 1e-2  # the adapters matter
     assert float(jnp.max(jnp.abs(got - want))) <= 1e-5
-    assert merge(merged) is merged or jax.tree.structure(merge(merged)) == jax.tree.structure(merged)
+    unchanged = merge(merged)  # no adapters: the very same arrays
+    assert all(a is b for a, b in zip(jax.tree.leaves(unchanged), jax.tree.leaves(merged)))
 
 
 def test_bfloat16_base_keeps_float32_adapters_and_merges_to_its_dtype(layouts):
