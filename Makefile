@@ -64,5 +64,6 @@ interop:
 
 # Benchmarks print ratios measured in one process and refresh their section of BENCHMARKS.md.
 bench: sync
-	@for f in bench/train_step.py bench/sampling.py bench/sft_weighting.py bench/remat.py bench/import_memory.py bench/lora.py; do \
+	@for f in bench/train_step.py bench/sampling.py bench/sft_weighting.py bench/remat.py bench/import_memory.py bench/lora.py \
+	  bench/profile_step.py bench/sampler_batch.py; do \
 	  if [ -f $$f ]; then echo "== $$f"; $(RUN) python $$f || exit 1; fi; done

@@ -6,3 +6,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Metaflow reads its user name when imported, and refuses root.
 os.environ.setdefault("METAFLOW_USER", "bdlm-test")
+
+import jax  # noqa: E402  (after the environment above)
+
+# The stages turn on JAX's persistent compilation cache (`Run.enable_compilation_cache`): it pays in
+# Metaflow steps, each a new process. In this long-lived test process it saves little (most programs
+# are compiled once per test anyway), and twice a full run died of a segmentation fault inside the
+# cache's executable write on the 8-device mesh test. Tests that start processes keep the cache.
+jax.config.update("jax_enable_compilation_cache", False)

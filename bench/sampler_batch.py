@@ -1,0 +1,94 @@
+"""Sampler throughput against batch size, with compiles counted and executed FLOP/s.
+
+The headline model samples 64 new tokens after a 16-token prompt, one token per step with the KV
+cache, at batch 8, 32, 128 and 512. Each batch is one bucket: one warm-up call compiles, then two
+timed calls with another key and another temperature (a traced leaf) must compile nothing; JAX's
+own compile events are counted (`jax.monitoring`).
+
+Executed FLOPs are counted from what the sampler runs, not from what is useful: every denoising
+step runs the model on the block's positions of every row (the first step of a block also the
+previous block's clean positions) against the whole fixed-size cache, masked entries included;
+matmuls are 2 FLOPs per multiply-add, attention is QK^T and PV. The rate is against the float32
+matmul peak measured in the same process.
+
+Writes bench/results/sampler_batch.json and its BENCHMARKS.md section.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+from _report import write_results, write_section
+from train_step import HEADLINE, matmul_peak
+
+from bd_data import ByteTokenizer
+from bd_models import BlockDiffusionLM, ModelConfig, SamplerConfig, SamplingDistribution, sample
+
+TOK = ByteTokenizer()
+PROMPT, NEW = 16, 64
+BATCHES = (8, 32, 128, 512)
+COMPILES: list[str] = []
+
+
+def _count_compiles(event: str, *_args, **_kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        COMPILES.append(event)
+
+
+def executed_flops(config: ModelConfig, batch: int) -> float:
+    """FLOPs one sampler call executes (see the module docstring)."""
+    d, e, f, v = config.d_model, config.head_dim, config.d_ff, config.vocab_size
+    h, kv, b = config.n_heads, config.n_kv_heads, config.block_size
+    cache = PROMPT + NEW
+    per_position = config.n_layers * (2 * (d * h * e + 2 * d * kv * e + h * e * d + 3 * d * f)
+                                      + 4 * cache * h * e) + 2 * d * v
+    blocks = NEW // b
+    prefill = PROMPT - b
+    positions = prefill + blocks * (2 * b + (b - 1) * b)  # per block: [clean prev | noisy] then b - 1 steps
+    return float(batch * positions * per_position)
+
+
+def main() -> None:
+    jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+    peak, _ = matmul_peak()
+    model = BlockDiffusionLM(HEADLINE, key=jax.random.key(0))
+    results: dict[str, float] = {"peak_gflops": peak / 1e9}
+    lines = [
+        f"Headline model (vocab 260, d 256, 4 layers, block 4), prompt {PROMPT}, {NEW} new tokens, one token per "
+        "step with the KV cache, float32; median of 2 timed calls after one warm-up call. Executed FLOP/s count "
+        "every position each step runs against the whole cache (masked entries included); the rate is against "
+        f"the float32 matmul peak measured in the same process ({peak / 1e9:.0f} GFLOP/s).",
+        "",
+        "| batch | tokens/s | s per call | executed GFLOP/s | of peak | compiles, warm-up | compiles, 2 timed calls |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rng = np.random.default_rng(0)
+    for batch in BATCHES:
+        prompts = (rng.integers(0, 256, (batch, PROMPT)).astype(np.int32), np.ones((batch, PROMPT), bool))
+        configs = [SamplerConfig(block_size=4, max_new_tokens=NEW, mask_id=TOK.mask_id, pad_id=TOK.pad_id,
+                                 distribution=SamplingDistribution(temperature=temp), strategy="steps")
+                   for temp in (1.0, 0.7, 1.3)]
+        before = len(COMPILES)
+        jax.block_until_ready(sample(model, prompts, configs[0], key=jax.random.key(0)))
+        warmup, before = len(COMPILES) - before, len(COMPILES)
+        times = []
+        for i, config in enumerate(configs[1:], start=1):
+            start = time.perf_counter()
+            jax.block_until_ready(sample(model, prompts, config, key=jax.random.key(i)))
+            times.append(time.perf_counter() - start)
+        seconds, compiles = float(np.median(times)), len(COMPILES) - before
+        rate = executed_flops(HEADLINE, batch) / seconds
+        results.update({f"b{batch}_s": seconds, f"b{batch}_tokens_per_s": batch * NEW / seconds,
+                        f"b{batch}_gflops": rate / 1e9, f"b{batch}_of_peak": rate / peak,
+                        f"b{batch}_compiles": float(compiles), f"b{batch}_warmup_compiles": float(warmup)})
+        print(f"batch {batch}: {batch * NEW / seconds:,.0f} tokens/s, {rate / 1e9:.1f} GFLOP/s, {compiles} compiles")
+        lines.append(f"| {batch} | {batch * NEW / seconds:,.0f} | {seconds:.2f} | {rate / 1e9:.1f} | {rate / peak:.0%} "
+                     f"| {warmup} | {compiles} |")
+    write_results("sampler_batch", results)
+    write_section("sampler_batch", "## Sampler throughput vs batch (`bench/sampler_batch.py`)\n\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
