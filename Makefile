@@ -39,9 +39,7 @@ endif
 
 run: sync
 	PYTHONUNBUFFERED=1 $(RUN) python flows/bd_pipeline.py $(strip $(CONFIG_ARG) run) --max-workers 2
-	@$(RUN) python -c "import sys; from pathlib import Path; from bd_train.stages import parse_pipeline_config, \
-	pipeline_config, print_summary; config = pipeline_config(parse_pipeline_config(Path(sys.argv[1]).read_text())); \
-	print_summary(Path(config.run.output_dir) / 'latest' / 'summary.json')" $(PRESET_FILE)
+	@$(RUN) python -m bd_train.stages summary $(PRESET_FILE)
 
 test: sync
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(RUN) pytest -q

@@ -188,6 +188,14 @@ def test_summary_table_is_kept_and_written(resumed_run):
     for row in ("student_sft", "student_opd", "student_grpo"):  # LoRA: the adapters of one stage
         assert summary[row]["params_trained"] < 0.5 * summary[row]["params_total"]
     assert json.loads((cwd / "runs" / "latest" / "summary.json").read_text()) == summary
+    # what `make run` prints after the flow: the latest run's tables for the preset
+    shown = subprocess.run([sys.executable, "-m", "bd_train.stages", "summary", "lora.toml"], cwd=cwd,
+                           capture_output=True, text=True, check=True).stdout
+    teacher = next(line for line in shown.splitlines() if line.startswith("teacher_sft")).split()
+    assert float(teacher[1]) == pytest.approx(summary["teacher_sft"]["accuracy"], abs=5e-4)
+    missing = subprocess.run([sys.executable, "-m", "bd_train.stages", "summary", "lora.toml"], cwd=cwd / "runs",
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "lora.toml: no such preset file" in missing.stderr
 
 
 def test_wandb_offline_logs_hold_the_stage_metrics(resumed_run):

@@ -33,6 +33,8 @@ import numpy as np
 
 from bd_core import ConfigError, config_error
 
+from ._sharding import _place, leaf_name, param_partition_specs
+
 Array = jax.Array
 
 TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -136,7 +138,6 @@ def add_lora(model: Any, config: LoRAConfig, *, key: Array) -> Any:
 
 
 def _place_like_base(model: Any) -> Any:
-    from ._sharding import _place, param_partition_specs
 
     mesh = next((leaf.sharding.mesh for leaf in jax.tree_util.tree_leaves(model)
                  if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding)), None)
@@ -145,16 +146,11 @@ def _place_like_base(model: Any) -> Any:
     specs = param_partition_specs(model, mesh)
 
     def place(path, x, spec):
-        if _leaf_name(path) not in ADAPTER_LEAVES:
+        if leaf_name(path) not in ADAPTER_LEAVES:
             return x
         return _place(x, jax.sharding.NamedSharding(mesh, spec), np.shape(x))
 
     return jax.tree_util.tree_map_with_path(place, model, specs)
-
-
-def _leaf_name(path) -> str:
-    last = path[-1] if path else None
-    return str(getattr(last, "name", getattr(last, "key", last)))
 
 
 def _is_float(x: Any) -> bool:
@@ -169,7 +165,7 @@ def trainable_filter(model: Any) -> Any:
     every floating array otherwise (shape-dtype structs of them too, for restore targets)."""
     if not has_adapters(model):
         return jax.tree_util.tree_map(_is_float, model)
-    return jax.tree_util.tree_map_with_path(lambda path, x: _is_float(x) and _leaf_name(path) in ADAPTER_LEAVES,
+    return jax.tree_util.tree_map_with_path(lambda path, x: _is_float(x) and leaf_name(path) in ADAPTER_LEAVES,
                                             model)
 
 

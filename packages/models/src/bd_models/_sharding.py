@@ -74,8 +74,9 @@ def check_divisibility(config: ModelConfig, mesh: Mesh, batch_size: int | None =
                             f"on the mesh {dict(mesh.shape)}; make {name} a multiple of {n} or change the mesh")
 
 
-def _name(path) -> str:
-    last = path[-1]
+def leaf_name(path) -> str:
+    """The last key of a pytree path: a field name, a dict key or an index ("None" at the root)."""
+    last = path[-1] if path else None
     return str(getattr(last, "name", getattr(last, "key", last)))
 
 
@@ -84,9 +85,9 @@ def param_partition_specs(model, mesh: Mesh | None = None):
     axis does not divide raises `MeshError` naming the parameter."""
 
     def spec(path, leaf):
-        name = _name(path)
+        name = leaf_name(path)
         if name in _LORA_PARTS and len(path) > 1:  # a LoRA-wrapped projection: split like its matrix
-            parent = _name(path[:-1])
+            parent = leaf_name(path[:-1])
             if parent not in _SPECS:
                 raise ValueError(f"param_partition_specs: no partition rule for parameter {jax.tree_util.keystr(path)}")
             rule = _SPECS[parent]
