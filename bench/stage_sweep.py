@@ -38,6 +38,12 @@ GRPO_VARIANTS = {
     "p256x2_lr3e-5": {"prompts_per_step": 256, "group_size": 2, "optim": {"lr": 3e-5}},
     "lr3e-5": {"optim": {"lr": 3e-5}},
     "t0.7": {"sampler": {"temperature": 0.7}},
+    # Adam's epsilon above the typical gradient RMS (~1e-3 here): parameters with a small, noisy
+    # gradient (e.g. embedding rows of tokens the task never uses) move in proportion to it
+    # instead of by a full unit step, so a larger learning rate can follow the signal.
+    "eps1e-3_lr1e-4": {"optim": {"lr": 1e-4, "eps": 1e-3}},
+    "eps1e-3_lr3e-4": {"optim": {"lr": 3e-4, "eps": 1e-3}},
+    "eps1e-4_lr3e-5": {"optim": {"lr": 3e-5, "eps": 1e-4}},
 }
 # LoRA against full fine-tuning at the same budget (steps, batch): rank 8 on all seven projections,
 # at the full run's learning rate and at a higher one (low-rank updates are usually run hotter).

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bd_train.stages import ConfigError, parse_pipeline_config, pipeline_config
+from bd_train.stages import ConfigError, Run, parse_pipeline_config, pipeline_config
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOW = ROOT / "flows" / "bd_pipeline.py"
@@ -43,12 +43,19 @@ def test_presets_are_valid(preset):
         ("[canvas]\npolicy = 'contiguous'\n", "canvas.policy: the pipeline's rollouts"),
         ("[teacher]\ncheckpoint = 'no/such/folder'\n", "teacher.checkpoint: folder 'no/such/folder' does not exist"),
         ("[opd]\nhard_ce_weight = 0.5\n", "opd.hard_ce_weight: hard CE needs a target at each distilled position"),
+        ("[grpo.optim]\neps = 0.0\n", "grpo.optim.eps: expected a value > 0, got 0.0"),
     ],
 )
 def test_config_errors_name_the_key(text, message):
     with pytest.raises(ConfigError) as err:
         parse_pipeline_config(text)
     assert message in str(err.value)
+
+
+def test_adam_eps_reaches_the_optimizer():
+    config = pipeline_config(parse_pipeline_config("[grpo.optim]\neps = 1e-3\nlr = 1e-4\n"))
+    grpo, sft = Run.optimizer_config(config.grpo.optim, 10), Run.optimizer_config(config.sft.optim, 10)
+    assert (grpo.eps, grpo.learning_rate) == (1e-3, 1e-4) and sft.eps == 1e-8
 
 
 def test_flow_show_prints_the_graph(tmp_path):

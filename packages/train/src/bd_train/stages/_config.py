@@ -162,7 +162,11 @@ class MeshSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimSection:
-    """AdamW with linear warmup then `schedule` decay over the stage's steps, global-norm clipping."""
+    """AdamW with linear warmup then `schedule` decay over the stage's steps, global-norm clipping.
+
+    `eps` is Adam's epsilon (added to the root of the second moment): where it is well above a
+    parameter's gradient RMS, Adam's step for that parameter is the gradient times lr / eps, as
+    in SGD, instead of a unit-sized step whatever the gradient's size."""
 
     lr: float = 3e-3
     warmup_steps: int = 20
@@ -170,9 +174,10 @@ class OptimSection:
     weight_decay: float = 0.0
     clip_norm: float = 1.0
     b2: float = 0.99
+    eps: float = 1e-8
 
     def __post_init__(self):
-        _positive(lr=self.lr, clip_norm=self.clip_norm)
+        _positive(lr=self.lr, clip_norm=self.clip_norm, eps=self.eps)
         _nonneg(warmup_steps=self.warmup_steps, weight_decay=self.weight_decay)
 
 

@@ -218,7 +218,7 @@ class Run:
     def optimizer_config(section: OptimSection, steps: int) -> OptimizerConfig:
         schedule = section.schedule if steps > section.warmup_steps else "constant"
         return OptimizerConfig(learning_rate=section.lr, schedule=schedule, warmup_steps=section.warmup_steps,
-                               total_steps=steps if schedule != "constant" else None, b2=section.b2,
+                               total_steps=steps if schedule != "constant" else None, b2=section.b2, eps=section.eps,
                                weight_decay=section.weight_decay, max_grad_norm=section.clip_norm)
 
     # -- fingerprints --------------------------------------------------------------------------------
