@@ -1,4 +1,5 @@
-"""Attention under the block-diffusion mask: `dense` (reference), `blocked`, `shard_map`.
+"""Attention under the block-diffusion mask: `dense` (reference), `blocked`, `shard_map`, and
+`pallas` (`_pallas_attention.py`: `blocked` with its forward as a Pallas kernel).
 
 `blocked` is an online-softmax (flash) kernel with a custom VJP: per query tile it loops only over
 the key tiles that `tile_needed` marks, and its backward recomputes probabilities from the saved
@@ -204,5 +205,9 @@ def attend(impl: str, q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_me
            q_tile: int = 64, k_tile: int = 64) -> Array:
     if impl == "dense":
         return dense_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta)
+    if impl == "pallas":
+        from ._pallas_attention import pallas_attention  # it builds on this module's flash backward
+
+        return pallas_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta, q_tile=q_tile, k_tile=k_tile)
     fn = blocked_attention if impl == "blocked" else sharded_attention
     return fn(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta, q_tile=q_tile, k_tile=k_tile)

@@ -108,7 +108,7 @@ class ModelSection:
     n_heads: int = 4
     n_kv_heads: int | None = None
     d_ff: int | None = None
-    attention: Literal["dense", "blocked", "shard_map"] = "blocked"
+    attention: Literal["dense", "blocked", "shard_map", "pallas"] = "blocked"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "save_matmuls"] = "none"  # what the backward pass recomputes per layer
