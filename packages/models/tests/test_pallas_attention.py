@@ -1,7 +1,7 @@
-"""`attention="pallas"` (the blocked forward as a Pallas kernel; on CPU in Pallas' interpret mode)
-equals the dense reference: the kernel's output and the gradients through the shared flash
-backward, with tiles that the plan skips, padding and grouped-query heads; and a whole model's
-logits and parameter gradients."""
+"""`attention="pallas"` (forward and backward as Pallas kernels; on CPU in Pallas' interpret mode)
+equals the dense reference: the forward kernel's output and the backward kernels' gradients, with
+tiles that the plan skips, padding and grouped-query heads; and a whole model's logits and
+parameter gradients."""
 
 import jax
 import jax.numpy as jnp

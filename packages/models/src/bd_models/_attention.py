@@ -1,5 +1,5 @@
 """Attention under the block-diffusion mask: `dense` (reference), `blocked`, `shard_map`, and
-`pallas` (`_pallas_attention.py`: `blocked` with its forward as a Pallas kernel).
+`pallas` (`_pallas_attention.py`: `blocked` as Pallas kernels).
 
 `blocked` is an online-softmax (flash) kernel with a custom VJP: per query tile it loops only over
 the key tiles that `tile_needed` marks, and its backward recomputes probabilities from the saved
@@ -206,7 +206,7 @@ def attend(impl: str, q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_me
     if impl == "dense":
         return dense_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta)
     if impl == "pallas":
-        from ._pallas_attention import pallas_attention  # it builds on this module's flash backward
+        from ._pallas_attention import pallas_attention  # it imports this module's helpers
 
         return pallas_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta, q_tile=q_tile, k_tile=k_tile)
     fn = blocked_attention if impl == "blocked" else sharded_attention

@@ -49,8 +49,8 @@ class ModelConfig:
     """Decoder architecture. `attention` picks the implementation: `dense` (reference), `blocked`
     (online softmax over the key tiles the mask allows; O(T) memory) or `shard_map` (`blocked` per
     shard, batch over (`data`, `fsdp`), heads over `model`, on the mesh set with `jax.set_mesh`)
-    or `pallas` (`blocked` with its forward as a Pallas kernel: Triton on GPU, interpret mode on
-    CPU, which is slow and meant for tests).
+    or `pallas` (`blocked` as Pallas kernels, forward and backward: Triton on GPU, interpret mode
+    on CPU, which is slow and meant for tests).
     `remat` picks what the backward pass recomputes per layer: `none` (keep every activation),
     `full` (keep only each layer's input) or `save_matmuls` (keep the matmul outputs).
     `head_dim` (0: d_model / n_heads) may differ from d_model / n_heads, as in Qwen3. `qk_norm`
