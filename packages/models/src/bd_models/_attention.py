@@ -161,18 +161,24 @@ def _tile(size: int, length: int) -> tuple[int, int]:
     return tile, -(-length // tile) * tile
 
 
-def blocked_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta: TokenMeta, *,
-                      q_tile: int = 64, k_tile: int = 64) -> Array:
-    """Flash attention over the key tiles the mask allows; equals `dense_attention`."""
+def tiled(kernel, q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta: TokenMeta, q_tile: int,
+          k_tile: int) -> Array:
+    """`kernel(q, k, v, q_meta, k_meta, q_tile, k_tile)` on queries and keys right-padded (with
+    invalid tokens) to whole tiles, its output cropped back to the queries."""
     t, s = q_BxKxGxTxE.shape[3], k_BxKxSxE.shape[2]
     q_tile, t_pad = _tile(q_tile, t)
     k_tile, s_pad = _tile(k_tile, s)
     pad = lambda x, n, axis: jnp.pad(x, [(0, n if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
     q = pad(q_BxKxGxTxE, t_pad - t, 3)
     k, v = pad(k_BxKxSxE, s_pad - s, 2), pad(v_BxKxSxE, s_pad - s, 2)
-    out = _flash(q, k, v, q_meta.pad_to(t_pad), k_meta.pad_to(s_pad), q_tile, k_tile)
-    # jax.custom_vjp's unannotated __new__ may return a custom_vjp3, whose __call__ pyright infers as object.
-    return out[:, :, :, :t]  # pyright: ignore[reportIndexIssue]
+    out = kernel(q, k, v, q_meta.pad_to(t_pad), k_meta.pad_to(s_pad), q_tile, k_tile)
+    return out[:, :, :, :t]
+
+
+def blocked_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta: TokenMeta, *,
+                      q_tile: int = 64, k_tile: int = 64) -> Array:
+    """Flash attention over the key tiles the mask allows; equals `dense_attention`."""
+    return tiled(_flash, q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta, q_tile, k_tile)
 
 
 def sharded_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta: TokenMeta, *,

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 
 from bd_core import CLEAN_VIEW, TokenMeta
 
-from ._attention import _tile
+from ._attention import tiled
 from ._mask import tile_needed
 
 Array = jax.Array
@@ -224,11 +224,4 @@ _pallas_flash.defvjp(_pallas_flash_fwd, _pallas_backward)
 def pallas_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta: TokenMeta, *,
                      q_tile: int = 64, k_tile: int = 64) -> Array:
     """`blocked_attention` as Pallas kernels (forward and backward); equals `dense_attention`."""
-    t, s = q_BxKxGxTxE.shape[3], k_BxKxSxE.shape[2]
-    q_tile, t_pad = _tile(q_tile, t)
-    k_tile, s_pad = _tile(k_tile, s)
-    pad = lambda x, n, axis: jnp.pad(x, [(0, n if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
-    q = pad(q_BxKxGxTxE, t_pad - t, 3)
-    k, v = pad(k_BxKxSxE, s_pad - s, 2), pad(v_BxKxSxE, s_pad - s, 2)
-    out = _pallas_flash(q, k, v, q_meta.pad_to(t_pad), k_meta.pad_to(s_pad), q_tile, k_tile)
-    return out[:, :, :, :t]  # pyright: ignore[reportIndexIssue]
+    return tiled(_pallas_flash, q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta, q_tile, k_tile)
