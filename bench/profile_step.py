@@ -27,9 +27,16 @@ from _report import write_results, write_section
 from train_step import HEADLINE, make_step, matmul_peak, median_time, sft_batch
 
 from bd_core import TokenMeta
-from bd_models import BlockDiffusionLM, ModelConfig, model_flops
-from bd_models._attention import attend
-from bd_models._layers import _ACTIVATIONS, apply_rope, rms_norm, rope_angles
+from bd_models import (
+    BlockDiffusionLM,
+    ModelConfig,
+    apply_rope,
+    blocked_attention,
+    dense_attention,
+    model_flops,
+    rms_norm,
+    rope_angles,
+)
 
 BATCH, CANVAS = 8, 256  # the headline: T = 512 in the 2L layout
 STEPS = 20
@@ -75,7 +82,8 @@ def parts(config: ModelConfig, model: BlockDiffusionLM, layout) -> tuple[dict[st
     meta = TokenMeta.from_layout(layout)
     heads = (jnp.transpose(q.reshape(b, t, kv, g, e), (0, 2, 3, 1, 4)), jnp.transpose(k, (0, 2, 1, 3)),
              jnp.transpose(k, (0, 2, 1, 3)))
-    act = _ACTIVATIONS[config.activation]
+    assert config.activation == "silu", "the MLP part below is SwiGLU"
+    act = jax.nn.silu
     eps = config.norm_eps
     n, bt = config.n_layers, b * t
     useful = model_flops(config, layout)
@@ -88,7 +96,7 @@ def parts(config: ModelConfig, model: BlockDiffusionLM, layout) -> tuple[dict[st
         return time_part(fn, *args) * times, flops
 
     def blocked(q, k, v):
-        return attend("blocked", q, k, v, meta, meta, q_tile=config.q_tile, k_tile=config.k_tile)
+        return blocked_attention(q, k, v, meta, meta, q_tile=config.q_tile, k_tile=config.k_tile)
 
     rows = {
         "attention kernel (blocked: flash tiles, masked tiles skipped)": part(blocked, *heads, flops=attention_flops),
@@ -108,7 +116,7 @@ def parts(config: ModelConfig, model: BlockDiffusionLM, layout) -> tuple[dict[st
             lambda x, norm, emb: jax.nn.log_softmax(rms_norm(x, norm, eps, jnp.float32) @ emb.T, axis=-1),
             x, model.final_norm, model.embedding, flops=head_flops, times=1),
     }
-    return rows, n * time_part(lambda q, k, v: attend("dense", q, k, v, meta, meta), *heads)
+    return rows, n * time_part(lambda q, k, v: dense_attention(q, k, v, meta, meta), *heads)
 
 
 def adamw_part(model: BlockDiffusionLM) -> tuple[float, float]:

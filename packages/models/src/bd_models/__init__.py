@@ -24,6 +24,9 @@ from ._hf_io import from_pretrained as from_pretrained
 from ._hf_io import read_hf_config as read_hf_config
 from ._hf_io import save_pretrained as save_pretrained
 from ._layers import DecoderLayer as DecoderLayer
+from ._layers import apply_rope as apply_rope
+from ._layers import rms_norm as rms_norm
+from ._layers import rope_angles as rope_angles
 from ._lora import TARGETS as TARGETS
 from ._lora import LoRAConfig as LoRAConfig
 from ._lora import LoRAWeight as LoRAWeight
