@@ -1,7 +1,11 @@
 """The whole stage chain (teacher and student SFT, OPD, GRPO) on a (data 2, fsdp 2, model 2) mesh
 of the smoke preset: run as one process of a group (`python stages_worker.py <coordinator> <count>
-<id> <dir>`, each process with 8/count CPU devices) or imported by the tests as the single-process
-run on 8 devices. Both write the stages' histories and evaluations to `<dir>/stages-<id>.json`."""
+<id> <dir>`, each process with 8/count CPU devices), or as one process on 8 devices (`python
+stages_worker.py single <dir>`, which also runs the student's SFT on one device as the reference).
+Each writes the stages' histories and evaluations to `<dir>/stages-<id>.json` (`stages-single.json`).
+
+The tests run every chain in processes of its own: compiling the 8-device OPD step inside the
+long-lived test process aborted twice late in a full run, and never in a fresh process."""
 
 from __future__ import annotations
 
@@ -50,11 +54,35 @@ def run_stages(directory: Path, run_id: str = "mesh") -> dict:
 def summary(results: dict) -> dict:
     return {name: {"step": r.step, "history": r.history, "evaluation": r.evaluation.metrics(),
                    "curve": [[p.accuracy, p.mean_reward, p.nfe_per_token] for p in r.evaluation.accuracy_vs_nfe],
+                   "decodings": [p.decoding for p in r.evaluation.accuracy_vs_nfe],
                    "samples": [dataclasses.asdict(s) for s in r.evaluation.samples]} for name, r in results.items()}
+
+
+def run_single(out: Path) -> dict:
+    """The chain in this process on its 8 devices, and the student's SFT on one device."""
+    from bd_train.stages import RunDir, run_sft
+
+    (out / "mesh").mkdir()
+    (out / "single").mkdir()
+    results = summary(run_stages(out / "mesh"))
+    cwd = os.getcwd()
+    os.chdir(out / "single")
+    try:
+        single = config("data = 1")
+        reference = run_sft(single, RunDir.create(single, run_id="single"), role="student")
+    finally:
+        os.chdir(cwd)
+    return {**results, "reference": {"history": reference.history}}
 
 
 if __name__ == "__main__":
     import jax
+
+    if sys.argv[1] == "single":
+        out = Path(sys.argv[2])
+        assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+        (out / "stages-single.json").write_text(json.dumps(run_single(out)))
+        sys.exit(0)
 
     from bd_train.distributed import ProcessGroup, initialize, shutdown
 
