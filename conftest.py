@@ -10,7 +10,8 @@ os.environ.setdefault("METAFLOW_USER", "bdlm-test")
 import jax  # noqa: E402  (after the environment above)
 
 # The stages turn on JAX's persistent compilation cache (`Run.enable_compilation_cache`): it pays in
-# Metaflow steps, each a new process. In this long-lived test process it saves little (most programs
-# are compiled once per test anyway), and twice a full run died of a segmentation fault inside the
-# cache's executable write on the 8-device mesh test. Tests that start processes keep the cache.
+# Metaflow steps, each a new process, and saves little in this one long-lived process, where it stays
+# off. (Late in full runs, compiling the 8-device OPD step in this process crashed: once in the
+# cache's executable write, and with the cache off in the compile itself. That chain now runs in
+# processes of its own, `tests/stages_worker.py`.) Tests that start processes keep the cache.
 jax.config.update("jax_enable_compilation_cache", False)
