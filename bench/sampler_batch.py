@@ -24,7 +24,7 @@ from _report import write_results, write_section
 from train_step import HEADLINE, matmul_peak
 
 from bd_data import ByteTokenizer
-from bd_models import BlockDiffusionLM, ModelConfig, SamplerConfig, SamplingDistribution, sample
+from bd_models import BlockDiffusionLM, ModelConfig, SamplerConfig, SamplingDistribution, model_flops, sample
 
 TOK = ByteTokenizer()
 PROMPT, NEW = 16, 64
@@ -39,11 +39,9 @@ def _count_compiles(event: str, *_args, **_kwargs) -> None:
 
 def executed_flops(config: ModelConfig, batch: int) -> float:
     """FLOPs one sampler call executes (see the module docstring)."""
-    d, e, f, v = config.d_model, config.head_dim, config.d_ff, config.vocab_size
-    h, kv, b = config.n_heads, config.n_kv_heads, config.block_size
-    cache = PROMPT + NEW
-    per_position = config.n_layers * (2 * (d * h * e + 2 * d * kv * e + h * e * d + 3 * d * f)
-                                      + 4 * cache * h * e) + 2 * d * v
+    b, cache = config.block_size, PROMPT + NEW
+    attention = config.n_layers * 4 * cache * config.n_heads * config.head_dim  # QK^T and PV over the cache
+    per_position = model_flops(config, (1, 1))["matmul_forward"] + attention
     blocks = NEW // b
     prefill = PROMPT - b
     positions = prefill + blocks * (2 * b + (b - 1) * b)  # per block: [clean prev | noisy] then b - 1 steps
