@@ -44,6 +44,7 @@ def test_presets_are_valid(preset):
         ("[teacher]\ncheckpoint = 'no/such/folder'\n", "teacher.checkpoint: folder 'no/such/folder' does not exist"),
         ("[opd]\nhard_ce_weight = 0.5\n", "opd.hard_ce_weight: hard CE needs a target at each distilled position"),
         ("[grpo.optim]\neps = 0.0\n", "grpo.optim.eps: expected a value > 0, got 0.0"),
+        ("[sft.corruption]\nviews = 0\n", "sft.corruption.views: expected an int >= 1"),
     ],
 )
 def test_config_errors_name_the_key(text, message):
@@ -98,6 +99,19 @@ def test_identity_pins_what_the_model_computes_not_how():
     # head_dim follows d_model / n_heads unless set, and is recorded resolved
     assert set(wider.identity("student").diff(identity)) == {"architecture.d_model", "architecture.d_ff",
                                                               "architecture.head_dim"}
+
+
+def test_noisy_views_reach_the_sft_batches():
+    from bd_train.stages import Run
+
+    base = (ROOT / "flows" / "configs" / "smoke.toml").read_text()
+    one, three = (Run(parse_pipeline_config(base + f"\n[sft.corruption]\nviews = {k}\n")) for k in (1, 3))
+    canvas = one.config.canvas
+    n, c = canvas.max_new_tokens, canvas.prompt_len + canvas.max_new_tokens
+    assert next(one.sft_batches("sft-student")).shape[1] == c + n
+    batch = next(three.sft_batches("sft-student"))
+    assert batch.shape[1] == c + 3 * n and int(batch.layout.view_ids.max()) == 3
+    assert set(three.training("sft-student").diff(one.training("sft-student"))) == {"sft.corruption.views"}
 
 
 def test_rollout_semantics_pin_the_sampling_distribution():

@@ -120,3 +120,49 @@ def test_default_is_the_measured_choice():
     default = DEFAULT_CORRUPTION
     assert default == CorruptionConfig()
     assert (default.weighting, default.t_min, default.t_max) == ("none", 0.1, 1.0)
+
+
+@pytest.mark.parametrize("views", [2, 3])
+def test_noisy_views_share_the_clean_stream_and_draw_their_own_masks(views):
+    rows, n, b = 500, 8, 4
+    config, canvas = _full_batch(rows, n, b)
+    c = config.prompt_len + n
+    one = corrupt(canvas, config, CorruptionConfig(), mask_id=TOK.mask_id, rng=np.random.default_rng(5))
+    many = corrupt(canvas, config, CorruptionConfig(views=views), mask_id=TOK.mask_id, rng=np.random.default_rng(5))
+    layout = many.layout
+    assert many.shape == (rows, c + views * n)
+    np.testing.assert_array_equal(layout.tokens[:, :c], one.layout.tokens[:, :c])  # one clean stream
+    assert (layout.view_ids[:, :c] == 0).all() and (many.weights[:, :c] == 0).all()
+    clean = canvas.tokens[:, config.prompt_len:]
+    masks = []
+    for k in range(views):
+        span = slice(c + k * n, c + (k + 1) * n)
+        assert (layout.view_ids[:, span] == k + 1).all()
+        for name in ("positions", "block_ids", "valid"):
+            np.testing.assert_array_equal(getattr(layout, name)[:, span], getattr(one.layout, name)[:, c:])
+        masked = layout.tokens[:, span] == TOK.mask_id
+        np.testing.assert_array_equal(np.where(masked, clean, layout.tokens[:, span]), clean)
+        np.testing.assert_array_equal(many.targets[:, span], one.targets[:, c:])
+        np.testing.assert_array_equal(many.weights[:, span], masked)  # `none`: weight 1 on masked tokens
+        assert masked.reshape(rows, -1, b).any(-1).all()  # at least one mask per block, in every view
+        masks.append(masked)
+    # Independent draws: two views' masks agree no more often than two independent draws would.
+    agree = (masks[0] == masks[1]).mean()
+    p = masks[0].mean()
+    expected = p * p + (1 - p) * (1 - p)
+    assert abs(agree - expected) < 5 * np.sqrt(expected * (1 - expected) / masks[0].size)
+
+
+@pytest.mark.parametrize("views", [0, -1, 1.5, True, "2"])
+def test_views_must_be_a_positive_int(views):
+    with pytest.raises(ValueError, match="views"):
+        CorruptionConfig(views=views)
+
+
+def test_elbo_denominator_counts_every_view():
+    config, canvas = _full_batch(32, 8, 4)
+    batch = corrupt(canvas, config, CorruptionConfig(weighting="elbo", views=3), mask_id=TOK.mask_id,
+                    rng=np.random.default_rng(0))
+    c = config.prompt_len + 8
+    # 3 views of 8 valid completion tokens per row: the per-token NELBO over all of them.
+    assert batch.denom_weights[:, c:].sum() == 32 * 3 * 8

@@ -1,8 +1,12 @@
-"""Masking corruption of a batch of canvases into the SFT layout `[clean prompt+completion | noisy completion]`.
+"""Masking corruption of a batch of canvases into the SFT layout
+`[clean prompt+completion | noisy completion 1 | ... | noisy completion K]`.
 
-Per valid completion block t ~ U[t_min, t_max] (stratified over the batch on request); each valid
-token is masked with probability 1 - alpha(t) (= t for the linear schedule), at least one per block.
-Shape letters: see bd_core (B, P, N, C = P + N, b).
+Per valid completion block of each noisy view, t ~ U[t_min, t_max] (stratified over the batch on
+request); each valid token is masked with probability 1 - alpha(t) (= t for the linear schedule), at
+least one per block. The K views of a sequence are independent corruptions of it that share its one
+clean stream: the attention rule keeps views apart, so each view's logits equal those of a
+one-view layout of it, while the clean stream's cost is paid once.
+Shape letters: see bd_core (B, P, N, C = P + N, b, K views).
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ WEIGHTINGS = ("elbo", "none")
 
 @dataclasses.dataclass(frozen=True)
 class CorruptionConfig:
-    """Noise level range, schedule, loss weighting and whether t is stratified over the batch.
+    """Noise level range, schedule, loss weighting, whether t is stratified over the batch, and the
+    number of noisy views per clean sequence.
 
     `weighting="elbo"`: masked tokens weigh -alpha'(t) / (1 - alpha(t)) (1/t for linear) and the
     denominator counts valid completion tokens (the per-token NELBO); `"none"`: masked tokens
-    weigh 1 and the denominator counts masked tokens.
+    weigh 1 and the denominator counts masked tokens. Both sum over the `views` views, so a
+    K-view batch estimates the same loss as a one-view batch, from K draws of the noise.
     """
 
     t_min: float = 0.1
@@ -35,6 +41,7 @@ class CorruptionConfig:
     schedule: Literal["linear", "cosine"] = "linear"
     weighting: Literal["elbo", "none"] = "none"
     stratified: bool = False
+    views: int = 1
 
     def __post_init__(self):
         owner, expected = "CorruptionConfig", "0 < t_min <= t_max <= 1"
@@ -49,6 +56,8 @@ class CorruptionConfig:
             raise config_error(owner, "weighting", self.weighting, f"one of {WEIGHTINGS}")
         if not isinstance(self.stratified, bool):
             raise config_error(owner, "stratified", self.stratified, "a bool")
+        if isinstance(self.views, bool) or not isinstance(self.views, int) or self.views < 1:
+            raise config_error(owner, "views", self.views, "an int >= 1 (noisy views per clean sequence)")
 
     def mask_rate(self, t: np.ndarray) -> np.ndarray:
         """1 - alpha(t): the probability that a token is masked at noise level t."""
@@ -86,8 +95,9 @@ def sample_t(block_valid: np.ndarray, config: CorruptionConfig, rng: np.random.G
 def corrupt(canvas: Canvas, canvas_config: CanvasConfig, config: CorruptionConfig, *, mask_id: int,
             rng: np.random.Generator) -> DiffusionTokenBatch:
     """Corrupt a batch of clean canvases (`[B, C]` arrays, C = P + N) into a numpy
-    `DiffusionTokenBatch` of length C + N; the noisy copy carries the completion's positions and
-    block ids.
+    `DiffusionTokenBatch` of length C + K*N (K = `config.views`); each noisy copy carries the
+    completion's positions and block ids and its own view id 1..K. With K = 1 the draws are those
+    of the one-view layout; view k's draws depend on K (they come from one `[B, K*N]` draw).
 
     Bias of the at-least-one rule. Given t, a block of n valid tokens has n*p + (1 - p)^n masked
     tokens in expectation instead of n*p. Under `elbo` weighting (linear) the weighted loss of a
@@ -98,12 +108,12 @@ def corrupt(canvas: Canvas, canvas_config: CanvasConfig, config: CorruptionConfi
     Clipping t is free for the linear schedule (E[weighted count | t] = n for every t) but not for
     cosine, whose clipped estimate is c * (alpha(t_min) - alpha(t_max)) / (t_max - t_min).
     """
-    p, b = canvas_config.prompt_len, canvas_config.block_size
+    p, b, views = canvas_config.prompt_len, canvas_config.block_size, config.views
     batch, length = canvas.tokens.shape
-    n = length - p
-    clean, valid = canvas.tokens[:, p:], canvas.valid[:, p:]
+    n = (length - p) * views  # the noisy views side by side, [B, K*N]
+    clean, valid = np.tile(canvas.tokens[:, p:], (1, views)), np.tile(canvas.valid[:, p:], (1, views))
     valid_blocks = valid.reshape(batch, n // b, b)
-    # [B, N/b]: numpy's stubs allow a scalar for any reduction, but this one is over the last axis of a 3-D array
+    # [B, K*N/b]: numpy's stubs allow a scalar for any reduction, but this one is over the last axis of a 3-D array
     block_valid = cast(np.ndarray, valid_blocks.any(-1))
 
     t = sample_t(block_valid, config, rng)
@@ -123,11 +133,14 @@ def corrupt(canvas: Canvas, canvas_config: CanvasConfig, config: CorruptionConfi
         weights, denom = masked.astype(np.float64), masked.astype(np.float64)
 
     zeros = np.zeros((batch, length), np.float32)
+    view_ids = np.repeat(np.arange(1, views + 1, dtype=np.int32), length - p)
     layout = ViewLayout(
         tokens=np.concatenate([canvas.tokens, np.where(masked, mask_id, clean)], axis=1).astype(np.int32),
-        positions=np.concatenate([canvas.positions, canvas.positions[:, p:]], axis=1).astype(np.int32),
-        block_ids=np.concatenate([canvas.block_ids, canvas.block_ids[:, p:]], axis=1).astype(np.int32),
-        view_ids=np.concatenate([np.zeros((batch, length), np.int32), np.ones((batch, n), np.int32)], axis=1),
+        positions=np.concatenate([canvas.positions, np.tile(canvas.positions[:, p:], (1, views))],
+                                 axis=1).astype(np.int32),
+        block_ids=np.concatenate([canvas.block_ids, np.tile(canvas.block_ids[:, p:], (1, views))],
+                                 axis=1).astype(np.int32),
+        view_ids=np.concatenate([np.zeros((batch, length), np.int32), np.tile(view_ids, (batch, 1))], axis=1),
         valid=np.concatenate([canvas.valid, valid], axis=1),
     )
     return DiffusionTokenBatch(

@@ -99,7 +99,8 @@ def sft_dataset(source: Sequence[Example], tokenizer, canvas: CanvasConfig,
                 corruption: CorruptionConfig = DEFAULT_CORRUPTION, *, seed: int, batch_size: int,
                 shard_index: int | None = None, shard_count: int | None = None, shuffle: bool = True,
                 num_epochs: int | None = None, drop_remainder: bool = True) -> grain.MapDataset:
-    """Batches of numpy `DiffusionTokenBatch`es `[B, P + 2N]`; this process's shard of `source`.
+    """Batches of numpy `DiffusionTokenBatch`es `[B, P + N + K*N]` (K = `corruption.views`); this
+    process's shard of `source`.
 
     `num_epochs=None` repeats forever (reshuffled every epoch). Element i depends only on
     (seed, i, shard), so indexing the dataset is as deterministic as iterating it.
