@@ -16,6 +16,8 @@ has joined a group (every process calls the same stage with the same config).
 
 from bd_core import ConfigError as ConfigError
 
+from ._compat import check_adopted as check_adopted
+from ._compat import check_distillation_pair as check_distillation_pair
 from ._config import PipelineConfig as PipelineConfig
 from ._config import parse_pipeline_config as parse_pipeline_config
 from ._config import pipeline_config as pipeline_config
@@ -32,8 +34,6 @@ from ._rollout import roll_out as roll_out
 from ._run import Run as Run
 from ._run import RunDir as RunDir
 from ._run import StageError as StageError
-from ._run import check_adopted as check_adopted
-from ._run import check_distillation_pair as check_distillation_pair
 from ._summary import curve_rows as curve_rows
 from ._summary import format_summary as format_summary
 from ._summary import pass_keys as pass_keys

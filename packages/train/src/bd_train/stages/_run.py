@@ -9,19 +9,16 @@ import dataclasses
 import functools
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import equinox as eqx
 import jax
 
-from bd_core import ConfigError, Fingerprint, FingerprintMismatch, fingerprint, require_compatible
+from bd_core import Fingerprint, FingerprintMismatch, fingerprint
 from bd_data import (
     ByteTokenizer,
-    CanvasOverflow,
     Example,
     HFTokenizer,
-    JsonlError,
-    TokenizerError,
     get_task,
     iterate,
     load_jsonl,
@@ -56,18 +53,11 @@ from .._trainer import TrainState
 from ._config import OptimSection, PipelineConfig, SamplerSection, pipeline_config
 from ._config_io import to_dict
 
-if TYPE_CHECKING:
-    from ._driver import StageResult
-
 ROLES = ("teacher", "student")
 # Each stage's random stream: its key is `fold_in(key(seed), index)` and its data seed
 # `seed + index`. (The indices are the values earlier versions hard-coded, so runs reproduce.)
 STREAMS = {"sft-teacher": 0, "sft-student": 1, "opd": 2, "grpo": 3}
 ADAPTER_STREAMS = 100  # a stage's fresh LoRA adapters draw from stream 100 + its index
-# Fields that must agree between a teacher and the student it distills into: everything about
-# tokens and blocks, nothing about the architecture.
-SHARED_IDENTITY_KEYS = ("tokenizer", "vocab_size", "mask_id", "pad_id", "eos_id", "block_size", "canvas_policy",
-                        "prompt_len", "max_new_tokens", "alignment")
 # How the model is computed, not what it computes (the implementations agree to float tolerance):
 # a stage may change these without invalidating the checkpoint it starts from.
 EXECUTION_FIELDS = ("attention", "q_tile", "k_tile", "remat")
@@ -419,54 +409,3 @@ def open_checkpoints(directory: str | Path, *, create: bool, max_to_keep: int | 
         return Checkpointer(directory, max_to_keep=max_to_keep, create=create)
     except CheckpointError as err:
         raise StageError(str(err)) from None
-
-
-def saved_identity(directory: str | Path) -> Fingerprint:
-    """The identity fingerprint a stage checkpoint was saved with."""
-    checkpoints = open_checkpoints(directory, create=False)
-    try:
-        fingerprints = checkpoints.fingerprints()
-    except CheckpointError as err:
-        raise StageError(str(err)) from None
-    finally:
-        checkpoints.close()
-    if "identity" not in fingerprints:
-        raise StageError(f"checkpoint {directory} records no model identity; it was not written by a bdlm stage")
-    return fingerprints["identity"]
-
-
-def check_adopted(config: Any) -> None:
-    """Before anything trains: every checkpoint the config adopts (`[teacher]/[student] checkpoint`)
-    must share the config's tokens and blocks, or the run is refused now, naming each field. The
-    tokenizer, the pretrained checkpoints' configs and the user's JSONL files (every line) are read
-    now too, and a teacher and student whose output vocabularies differ are refused."""
-    run = Run(config)
-    try:
-        _ = run.tokenizer  # loads and checks the special tokens
-        sizes = {role: run.model_config(role).vocab_size for role in ROLES if not getattr(run.config, role).checkpoint}
-        if run.task is None:  # the user's JSONL: every line, tokenized and fitted to the canvas, now
-            for split in ("train", "eval"):
-                run.source(split)
-    except (TokenizerError, ConfigError, JsonlError, CanvasOverflow) as err:
-        raise StageError(str(err)) from None
-    if len(set(sizes.values())) > 1:
-        raise StageError(f"teacher vocab_size {sizes['teacher']} != student vocab_size {sizes['student']} (from "
-                         f"their config.json files): distillation compares the two output distributions token by "
-                         f"token; use checkpoints of one family (same vocab_size)")
-    for role in ROLES:
-        directory = getattr(run.config, role).checkpoint
-        if directory:
-            try:
-                require_compatible(saved_identity(directory), run.identity("student"), SHARED_IDENTITY_KEYS,
-                                   context=f"{role} checkpoint {directory} vs this config")
-            except FingerprintMismatch as err:
-                raise StageError(f"{err}\nThe {role} must use the config's tokenizer, block size and canvas.") from None
-
-
-def check_distillation_pair(teacher: StageResult, student: StageResult) -> None:
-    """Teacher and student must share tokens and blocks (not the architecture) to distill."""
-    try:
-        require_compatible(teacher.fingerprint, student.fingerprint, SHARED_IDENTITY_KEYS,
-                           context=f"teacher checkpoint {teacher.checkpoint_dir} vs student")
-    except FingerprintMismatch as err:
-        raise StageError(f"{err}\nThe teacher must use the student's tokenizer, block size and canvas.") from None

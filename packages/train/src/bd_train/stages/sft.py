@@ -16,10 +16,11 @@ from bd_models import ModelConfig
 from .._optim import make_optimizer
 from .._sft import sft_objective
 from .._trainer import Trainer, TrainerConfig
+from ._compat import SHARED_IDENTITY_KEYS, saved_identity
 from ._driver import StageResult, StageSpec, drive, mesh_scope
 from ._evaluate import evaluate
 from ._rollout import on_mesh
-from ._run import ROLES, SHARED_IDENTITY_KEYS, Run, RunDir, StageError, saved_identity
+from ._run import ROLES, Run, RunDir, StageError
 
 SFT_CURVES = ("loss", "grad_norm")
 

@@ -1,0 +1,72 @@
+"""Checks that a run's checkpoints fit together, before anything trains and between stages:
+adopted checkpoints and a distillation pair must share the config's tokens and blocks (not the
+architecture), each mismatch refused with every differing field named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bd_core import ConfigError, Fingerprint, FingerprintMismatch, require_compatible
+from bd_data import CanvasOverflow, JsonlError, TokenizerError
+
+from .._checkpoint import CheckpointError
+from ._run import ROLES, Run, StageError, open_checkpoints
+
+if TYPE_CHECKING:
+    from ._driver import StageResult
+
+# Fields that must agree between a teacher and the student it distills into: everything about
+# tokens and blocks, nothing about the architecture.
+SHARED_IDENTITY_KEYS = ("tokenizer", "vocab_size", "mask_id", "pad_id", "eos_id", "block_size", "canvas_policy",
+                        "prompt_len", "max_new_tokens", "alignment")
+
+def saved_identity(directory: str | Path) -> Fingerprint:
+    """The identity fingerprint a stage checkpoint was saved with."""
+    checkpoints = open_checkpoints(directory, create=False)
+    try:
+        fingerprints = checkpoints.fingerprints()
+    except CheckpointError as err:
+        raise StageError(str(err)) from None
+    finally:
+        checkpoints.close()
+    if "identity" not in fingerprints:
+        raise StageError(f"checkpoint {directory} records no model identity; it was not written by a bdlm stage")
+    return fingerprints["identity"]
+
+
+def check_adopted(config: Any) -> None:
+    """Before anything trains: every checkpoint the config adopts (`[teacher]/[student] checkpoint`)
+    must share the config's tokens and blocks, or the run is refused now, naming each field. The
+    tokenizer, the pretrained checkpoints' configs and the user's JSONL files (every line) are read
+    now too, and a teacher and student whose output vocabularies differ are refused."""
+    run = Run(config)
+    try:
+        _ = run.tokenizer  # loads and checks the special tokens
+        sizes = {role: run.model_config(role).vocab_size for role in ROLES if not getattr(run.config, role).checkpoint}
+        if run.task is None:  # the user's JSONL: every line, tokenized and fitted to the canvas, now
+            for split in ("train", "eval"):
+                run.source(split)
+    except (TokenizerError, ConfigError, JsonlError, CanvasOverflow) as err:
+        raise StageError(str(err)) from None
+    if len(set(sizes.values())) > 1:
+        raise StageError(f"teacher vocab_size {sizes['teacher']} != student vocab_size {sizes['student']} (from "
+                         f"their config.json files): distillation compares the two output distributions token by "
+                         f"token; use checkpoints of one family (same vocab_size)")
+    for role in ROLES:
+        directory = getattr(run.config, role).checkpoint
+        if directory:
+            try:
+                require_compatible(saved_identity(directory), run.identity("student"), SHARED_IDENTITY_KEYS,
+                                   context=f"{role} checkpoint {directory} vs this config")
+            except FingerprintMismatch as err:
+                raise StageError(f"{err}\nThe {role} must use the config's tokenizer, block size and canvas.") from None
+
+
+def check_distillation_pair(teacher: StageResult, student: StageResult) -> None:
+    """Teacher and student must share tokens and blocks (not the architecture) to distill."""
+    try:
+        require_compatible(teacher.fingerprint, student.fingerprint, SHARED_IDENTITY_KEYS,
+                           context=f"teacher checkpoint {teacher.checkpoint_dir} vs student")
+    except FingerprintMismatch as err:
+        raise StageError(f"{err}\nThe teacher must use the student's tokenizer, block size and canvas.") from None
