@@ -42,7 +42,7 @@ run: sync
 	@$(RUN) python -m bd_train.stages summary $(PRESET_FILE)
 
 test: sync
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(RUN) pytest -q
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(RUN) pytest -q --durations=25
 
 # ruff (style, imports, bugbear) and pyright (types), configured in pyproject.toml.
 lint: sync
@@ -63,5 +63,5 @@ interop:
 # Benchmarks print ratios measured in one process and refresh their section of BENCHMARKS.md.
 bench: sync
 	@for f in bench/train_step.py bench/sampling.py bench/sft_weighting.py bench/remat.py bench/import_memory.py bench/lora.py \
-	  bench/profile_step.py bench/sampler_batch.py; do \
+	  bench/profile_step.py bench/sampler_batch.py bench/noisy_views.py; do \
 	  if [ -f $$f ]; then echo "== $$f"; $(RUN) python $$f || exit 1; fi; done

@@ -13,11 +13,12 @@ bench/results/noisy_views.json and its BENCHMARKS.md section.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import jax
 import numpy as np
-from _report import write_results, write_section
+from _report import results_path, write_results, write_section
 from sft_weighting import CANVAS, Evaluator, student_config
 
 from bd_data import ByteTokenizer, CorruptionConfig, get_task, iterate, sft_dataset
@@ -102,9 +103,40 @@ def write_markdown(results: dict, names: list[str], seeds: list[int], points: li
                      f"{cell(name, 'steps', '.0f')} | "
                      + " | ".join(cell(name, f"ce_at_{p:g}s", ".3f") for p in points)
                      + f" | {cell(name, 'acc', '.1%')} | {ratio} |")
-    lines += ["", "Command:", "", "```", f"python bench/noisy_views.py --budget {points[-1]:g} --seeds "
+    lines += ["", conclusion(results, names, seeds, last), "", "Command:", "", "```",
+              f"python bench/noisy_views.py --budget {points[-1]:g} --seeds "
               f"{','.join(map(str, seeds))} --settings {','.join(names)}", "```"]
     write_section("noisy_views", "\n".join(lines))
+
+
+def conclusion(results: dict, names: list[str], seeds: list[int], last: str) -> str:
+    """Each multi-view setting against the one-view setting of the same clean batch, per seed:
+    filled from the numbers, so a rerun cannot leave a stale verdict behind."""
+    parts = []
+    for name in names:
+        views, batch = SETTINGS[name]
+        single = next((n for n in names if SETTINGS[n] == (1, batch)), None)
+        if views == 1 or single is None:
+            continue
+        ce = lambda n, s: results[f"seed{s}.{n}.{last}"]  # noqa: E731
+        wins = sum(ce(name, s) < ce(single, s) for s in seeds)
+        cost = np.mean([results[f"seed{s}.{name}.step_s"] / results[f"seed{s}.{single}.step_s"] for s in seeds])
+        parts.append(f"{views} views x {batch} against 1 view x {batch}: a step costs {cost:.2f}x, and the held-out "
+                     f"CE at the end of the budget is lower on {wins} of {len(seeds)} seeds ("
+                     + ", ".join(f"{ce(name, s):.3f} vs {ce(single, s):.3f}" for s in seeds) + ").")
+    best = min(names, key=lambda n: np.mean([results[f"seed{s}.{n}.{last}"] for s in seeds]))
+    views, batch = SETTINGS[best]
+    parts.append(f"Lowest mean held-out CE at the end: {views} view{'s' if views > 1 else ''} x {batch}.")
+    return " ".join(parts)
+
+
+def read_back(results: dict) -> tuple[list[str], list[int], list[float]]:
+    """Settings, seeds and read-out points of a results file, in run order."""
+    keys = [k.split(".") for k in results if k.startswith("seed")]
+    seeds = list(dict.fromkeys(int(k[0].removeprefix("seed")) for k in keys))
+    names = [n for n in SETTINGS if any(k[1] == n for k in keys)]
+    points = sorted({float(k[2].removeprefix("ce_at_").removesuffix("s")) for k in keys if k[2].startswith("ce_at_")})
+    return names, seeds, points
 
 
 def main() -> None:
@@ -116,7 +148,13 @@ def main() -> None:
                         "the first is the reference of the per-seed ratio")
     parser.add_argument("--eval-n", type=int, default=256, help="held-out sequences (default 256)")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--render", action="store_true", help="train nothing: rewrite the BENCHMARKS.md section "
+                        "from bench/results/noisy_views.json")
     args = parser.parse_args()
+    if args.render:
+        results = json.loads(results_path("noisy_views").read_text())
+        write_markdown(results, *read_back(results))
+        return
     names = [n for n in args.settings.split(",") if n]
     if not names or set(names) - set(SETTINGS):
         parser.error(f"--settings: expected a comma-separated subset of {list(SETTINGS)}, got {args.settings!r}")
