@@ -62,7 +62,7 @@ def test_cached_logits_equal_packed(layouts, seed, attention):
 def test_empty_cache_and_commit_rules():
     model = BlockDiffusionLM(CONFIG, key=jax.random.key(0))
     cache = model.init_cache(2, 12)
-    assert cache.k.shape == (2, 2, 12, 2, 8) and not bool(cache.valid.any())
+    assert [k.shape for k in cache.k] == [(2, 2, 8, 12)] * 2 and not bool(cache.valid.any())
     noisy = ViewLayout.create(np.zeros((2, 4), int), np.tile(np.arange(4), (2, 1)), np.zeros((2, 4), int),
                               np.ones((2, 4), int), np.ones((2, 4), bool))
     with pytest.raises(ValueError, match="noisy"):

@@ -1,5 +1,6 @@
 """Attention under the block-diffusion mask: `dense` (reference), `blocked`, `shard_map`, and
-`pallas` (`_pallas_attention.py`: `blocked` as Pallas kernels).
+`pallas` (`_pallas_attention.py`: `blocked` as Pallas kernels); and `cached_attention`, dense
+attention of a decoding chunk over a KV cache and itself.
 
 `blocked` is an online-softmax (flash) kernel with a custom VJP: per query tile it loops only over
 the key tiles that `tile_needed` marks, and its backward recomputes probabilities from the saved
@@ -30,19 +31,44 @@ def _scores(q_BxKxGxQxE, k_BxKxUxE):
     return jnp.einsum("bkgqe,bkue->bkgqu", q_BxKxGxQxE, k_BxKxUxE, preferred_element_type=jnp.float32)
 
 
-def dense_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta: TokenMeta) -> Array:
-    """The reference: full `[T, S]` scores. Rows with no allowed key output exactly 0."""
-    s_BxKxGxTxS = _scores(q_BxKxGxTxE, k_BxKxSxE)
-    mask_Bx1x1xTxS = allowed(q_meta, k_meta)[:, None, None]
-    s_BxKxGxTxS = jnp.where(mask_Bx1x1xTxS, s_BxKxGxTxS, -jnp.inf)
-    # The max only stabilizes exp; stopping its gradient leaves the result and gradient exact.
+def _masked_softmax(s_BxKxGxTxS, mask_BxTxS):
+    """Unnormalized probabilities under the mask and their row sums. The max only stabilizes exp;
+    stopping its gradient leaves the result and gradient exact."""
+    s_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], s_BxKxGxTxS, -jnp.inf)
     m_BxKxGxT = lax.stop_gradient(jnp.max(s_BxKxGxTxS, axis=-1))
     m_BxKxGxT = jnp.where(jnp.isneginf(m_BxKxGxT), 0.0, m_BxKxGxT)
     p_BxKxGxTxS = jnp.exp(s_BxKxGxTxS - m_BxKxGxT[..., None])
-    l_BxKxGxT = jnp.sum(p_BxKxGxTxS, axis=-1)
-    out = jnp.einsum("bkgts,bkse->bkgte", p_BxKxGxTxS, v_BxKxSxE.astype(jnp.float32))
-    out = out / jnp.where(l_BxKxGxT > 0, l_BxKxGxT, 1.0)[..., None]
-    return out.astype(q_BxKxGxTxE.dtype)
+    return p_BxKxGxTxS, jnp.sum(p_BxKxGxTxS, axis=-1)
+
+
+def _pv(p_BxKxGxTxS, v_BxKxSxE):
+    return jnp.einsum("bkgts,bkse->bkgte", p_BxKxGxTxS, v_BxKxSxE.astype(jnp.float32))
+
+
+def _normalize(out_BxKxGxTxE, l_BxKxGxT, dtype):
+    """Rows with no allowed key (sum 0) output exactly 0."""
+    return (out_BxKxGxTxE / jnp.where(l_BxKxGxT > 0, l_BxKxGxT, 1.0)[..., None]).astype(dtype)
+
+
+def dense_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta: TokenMeta) -> Array:
+    """The reference: full `[T, S]` scores. Rows with no allowed key output exactly 0."""
+    p_BxKxGxTxS, l_BxKxGxT = _masked_softmax(_scores(q_BxKxGxTxE, k_BxKxSxE), allowed(q_meta, k_meta))
+    return _normalize(_pv(p_BxKxGxTxS, v_BxKxSxE), l_BxKxGxT, q_BxKxGxTxE.dtype)
+
+
+def cached_attention(q_BxKxGxTxE, kt_cache_BxKxExS, v_cache_BxKxSxE, cache_meta: TokenMeta, k_BxKxTxE, v_BxKxTxE,
+                     q_meta: TokenMeta) -> Array:
+    """`dense_attention` of a chunk's queries over the cache's keys followed by the chunk's own,
+    without concatenating the keys: the two score blocks are joined instead. The chunk is a few
+    tokens and the cache the whole canvas, so a decoding step reads the cache as stored (keys
+    transposed, `[B, K, E, S]`) and copies nothing of it."""
+    s = cache_meta.valid.shape[1]
+    cache_scores = jnp.einsum("bkgqe,bkes->bkgqs", q_BxKxGxTxE, kt_cache_BxKxExS, preferred_element_type=jnp.float32)
+    scores = jnp.concatenate([cache_scores, _scores(q_BxKxGxTxE, k_BxKxTxE)], axis=-1)
+    mask = jnp.concatenate([allowed(q_meta, cache_meta), allowed(q_meta, q_meta)], axis=-1)
+    p_BxKxGxTxST, l_BxKxGxT = _masked_softmax(scores, mask)
+    out = _pv(p_BxKxGxTxST[..., :s], v_cache_BxKxSxE) + _pv(p_BxKxGxTxST[..., s:], v_BxKxTxE)
+    return _normalize(out, l_BxKxGxT, q_BxKxGxTxE.dtype)
 
 
 def _tile_plan(q_meta: TokenMeta, k_meta: TokenMeta, q_tile: int, k_tile: int):

@@ -2,7 +2,7 @@
 
 Slot index == canvas position, so every row shares the block grid (prompts are left-padded to a
 block boundary). Entries are clean view-0 keys; `valid` says which slots hold one.
-Shape letters: see bd_core (L layers, B, S slots, K kv heads, E head dim, T chunk tokens).
+Shape letters: see bd_core (B, K kv heads, S slots, E head dim, T chunk tokens).
 """
 
 from __future__ import annotations
@@ -15,11 +15,16 @@ from bd_core import CLEAN_VIEW, TokenMeta
 
 
 class KVCache(eqx.Module):
-    """Rotated keys and values `[L, B, S, K, E]` (S = the most canvas positions it holds), with
-    per-slot validity and canvas block ids `[B, S]`."""
+    """Rotated keys and values of each layer, with per-slot validity and canvas block ids `[B, S]`
+    (S = the most canvas positions it holds).
 
-    k: Shaped[Array, "L B S K E"]
-    v: Shaped[Array, "L B S K E"]
+    Stored as attention reads them, so a decoding step copies nothing of the cache: one array per
+    layer (slicing a stacked `[L, ...]` array per layer copied the layer's whole cache on every
+    step), keys transposed `[B, K, E, S]` (the right operand of `q @ k^T`) and values `[B, K, S, E]`.
+    """
+
+    k: tuple[Shaped[Array, "B K E S"], ...]
+    v: tuple[Shaped[Array, "B K S E"], ...]
     valid: Bool[Array, "B S"]
     block_ids: Int[Array, "B S"]
 
@@ -30,22 +35,28 @@ class KVCache(eqx.Module):
     @classmethod
     def empty(cls, n_layers: int, batch_size: int, max_len: int, n_kv_heads: int, head_dim: int,
               dtype) -> KVCache:
-        shape = (n_layers, batch_size, max_len, n_kv_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch_size, max_len), bool),
-                   jnp.zeros((batch_size, max_len), jnp.int32))
+        k = tuple(jnp.zeros((batch_size, n_kv_heads, head_dim, max_len), dtype) for _ in range(n_layers))
+        v = tuple(jnp.zeros((batch_size, n_kv_heads, max_len, head_dim), dtype) for _ in range(n_layers))
+        return cls(k, v, jnp.zeros((batch_size, max_len), bool), jnp.zeros((batch_size, max_len), jnp.int32))
 
     def meta(self) -> TokenMeta:
         """What the attention rule reads: every cached entry is clean (view 0)."""
         return TokenMeta(jnp.full_like(self.block_ids, CLEAN_VIEW), self.block_ids, self.valid)
 
-    def write(self, k_LxBxTxKxE, v_LxBxTxKxE, positions_BxT, block_ids_BxT, commit_BxT) -> KVCache:
-        """Store the committed entries at slot = position; the others are dropped."""
+    def write(self, k_BxKxTxE: list[Array], v_BxKxTxE: list[Array], positions_BxT, block_ids_BxT,
+              commit_BxT) -> KVCache:
+        """Store each layer's committed entries at slot = position; the others are dropped."""
         b, t = positions_BxT.shape
         slot_BxT = jnp.where(commit_BxT, positions_BxT, self.max_len)  # out of range -> dropped
         row_BxT = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        # Indexing [row, :, :, slot] / [row, :, slot] puts the indexed [B, T] first: the values go
+        # as [B, T, K, E].
+        entries = lambda x, dtype: jnp.transpose(x, (0, 2, 1, 3)).astype(dtype)  # noqa: E731
         return KVCache(
-            k=self.k.at[:, row_BxT, slot_BxT].set(k_LxBxTxKxE.astype(self.k.dtype), mode="drop"),
-            v=self.v.at[:, row_BxT, slot_BxT].set(v_LxBxTxKxE.astype(self.v.dtype), mode="drop"),
+            k=tuple(c.at[row_BxT, :, :, slot_BxT].set(entries(x, c.dtype), mode="drop")
+                    for c, x in zip(self.k, k_BxKxTxE)),
+            v=tuple(c.at[row_BxT, :, slot_BxT].set(entries(x, c.dtype), mode="drop")
+                    for c, x in zip(self.v, v_BxKxTxE)),
             valid=self.valid.at[row_BxT, slot_BxT].set(True, mode="drop"),
             block_ids=self.block_ids.at[row_BxT, slot_BxT].set(block_ids_BxT, mode="drop"),
         )

@@ -15,7 +15,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from bd_core import CLEAN_VIEW, TokenMeta, ViewLayout
 
-from ._attention import attend, dense_attention
+from ._attention import attend, cached_attention
 from ._cache import KVCache
 from ._config import ModelConfig
 from ._layers import DecoderLayer, rms_norm, rope_angles
@@ -105,30 +105,37 @@ class BlockDiffusionLM(eqx.Module):
         return KVCache.empty(config.n_layers, batch_size, max_len, config.n_kv_heads, config.head_dim,
                              config.compute_jnp_dtype)
 
-    def forward_cached(self, chunk: ViewLayout, cache: KVCache, *,
-                       commit: Bool[ArrayLike, "B T"] | None = None) -> tuple[Float[Array, "B T V"], KVCache]:
+    def layer_list(self) -> tuple[DecoderLayer, ...]:
+        """The stacked layers as one module each, what `forward_cached` loops over. A sampler splits
+        them once per call and passes them to every step (`layers=`): splitting copies the weights."""
+        return tuple(jax.tree.map(lambda w: w[i], self.layers) for i in range(self.config.n_layers))  # noqa: B023
+
+    def forward_cached(self, chunk: ViewLayout, cache: KVCache, *, commit: Bool[ArrayLike, "B T"] | None = None,
+                       layers: tuple[DecoderLayer, ...] | None = None) -> tuple[Float[Array, "B T V"], KVCache]:
         """Logits of `chunk` against `cache`, then write the `commit`-flagged entries to the cache.
 
         Chunk queries see the cache's valid entries (clean, with their block ids) and the chunk's
         own entries under the same rule as the packed layout. Committed entries must be valid
         clean (view 0) tokens (an eager call that flags another raises; under jit it is not
-        written); they land at slot = position.
+        written); they land at slot = position. `layers`: `self.layer_list()`, split once by a
+        caller that runs many steps (by default split here).
         """
         config = self.config
         cos, sin = rope_angles(chunk.positions, config)
         chunk_meta = TokenMeta.from_layout(chunk)
-        key_meta = TokenMeta(*(jnp.concatenate([c, q], axis=1) for c, q in zip(cache.meta(), chunk_meta)))
+        cache_meta = cache.meta()
 
-        def layer_step(x_BxTxD, xs):
-            layer, k_cache_BxSxKxE, v_cache_BxSxKxE = xs
+        # A Python loop, not a scan: scanning over a stacked cache would copy each layer's slice.
+        x_BxTxD, new_k, new_v = self.embed(chunk.tokens), [], []
+        for i, layer in enumerate(self.layer_list() if layers is None else layers):
             q, k, v = layer.qkv(x_BxTxD, cos, sin, config)
-            keys = jnp.concatenate([k_cache_BxSxKxE, k.astype(k_cache_BxSxKxE.dtype)], axis=1)
-            values = jnp.concatenate([v_cache_BxSxKxE, v.astype(v_cache_BxSxKxE.dtype)], axis=1)
-            out_BxKxGxTxE = dense_attention(*_heads_first(q, keys, values), chunk_meta, key_meta)
+            q_BxKxGxTxE, k_BxKxTxE, v_BxKxTxE = _heads_first(q, k.astype(cache.k[i].dtype), v.astype(cache.v[i].dtype))
+            out_BxKxGxTxE = cached_attention(q_BxKxGxTxE, cache.k[i], cache.v[i], cache_meta, k_BxKxTxE, v_BxKxTxE,
+                                             chunk_meta)
             x_BxTxD = layer.finish(x_BxTxD, jnp.transpose(out_BxKxGxTxE, (0, 3, 1, 2, 4)), config)
-            return x_BxTxD, (k, v)
-
-        x, (k_LxBxTxKxE, v_LxBxTxKxE) = lax.scan(layer_step, self.embed(chunk.tokens), (self.layers, cache.k, cache.v))
+            new_k.append(k_BxKxTxE)
+            new_v.append(v_BxKxTxE)
+        x = x_BxTxD
         logits = self._logits(x)
         if commit is None:
             return logits, cache
@@ -144,4 +151,4 @@ class BlockDiffusionLM(eqx.Module):
         if flagged:
             raise ValueError("forward_cached: commit flags a noisy (view != 0) entry; only clean entries are cached")
         commit = commit & ~noisy
-        return logits, cache.write(k_LxBxTxKxE, v_LxBxTxKxE, chunk.positions, chunk.block_ids, commit)
+        return logits, cache.write(new_k, new_v, chunk.positions, chunk.block_ids, commit)

@@ -58,7 +58,10 @@ class RecomputeModel(eqx.Module):
     def init_cache(self, batch_size: int, max_len: int) -> _Canvas:
         return _Canvas(jnp.zeros((batch_size, max_len), jnp.int32), jnp.zeros((batch_size, max_len), bool))
 
-    def forward_cached(self, chunk: ViewLayout, cache: _Canvas, *, commit=None):
+    def layer_list(self) -> None:
+        return None
+
+    def forward_cached(self, chunk: ViewLayout, cache: _Canvas, *, commit=None, layers=None):
         batch, length = cache.tokens.shape
         positions = jnp.arange(length, dtype=jnp.int32)
         clean = _layout(cache.tokens, positions, positions // self.config.block_size, CLEAN_VIEW, cache.valid)
@@ -128,12 +131,13 @@ def _generate(model, prompt_tokens, prompt_valid, key, config: SamplerConfig):
     first_block = prompt_len // b
     offsets = jnp.arange(b, dtype=jnp.int32)
     cache = model.init_cache(batch, prompt_len + config.max_new_tokens)
+    layers = model.layer_list()  # split once here, not in every step
     nfe = jnp.zeros((batch,), jnp.int32)
     if prompt_len > b:  # the last prompt block is committed by the first denoising step instead
         head = prompt_len - b
         positions = jnp.arange(head, dtype=jnp.int32)
         prefill = _layout(prompt_tokens[:, :head], positions, positions // b, CLEAN_VIEW, prompt_valid[:, :head])
-        _, cache = model.forward_cached(prefill, cache, commit=prefill.valid)
+        _, cache = model.forward_cached(prefill, cache, commit=prefill.valid, layers=layers)
         nfe = nfe + 1
 
     def denoise(state: _Block, logits, j, live) -> _Block:
@@ -163,14 +167,14 @@ def _generate(model, prompt_tokens, prompt_valid, key, config: SamplerConfig):
         clean_prev = _layout(prev_tokens, positions - b, block_id - 1, CLEAN_VIEW, prev_valid)
         chunk = concat_layouts(clean_prev, noisy(state.tokens))
         logits, cache = model.forward_cached(chunk, cache, commit=jnp.concatenate(
-            [prev_valid, jnp.zeros((batch, b), bool)], axis=1))
+            [prev_valid, jnp.zeros((batch, b), bool)], axis=1), layers=layers)
         state = denoise(state, logits[:, b:], j, active)
 
         def live(s: _Block):
             return active & jnp.any(s.masked, axis=-1)
 
         def step_body(s: _Block) -> _Block:
-            logits, _ = model.forward_cached(noisy(s.tokens), cache)
+            logits, _ = model.forward_cached(noisy(s.tokens), cache, layers=layers)
             return denoise(s, logits, j, live(s))
 
         state = jax.lax.while_loop(lambda s: (s.step < cap) & jnp.any(live(s)), step_body, state)
