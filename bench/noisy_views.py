@@ -36,7 +36,7 @@ NOTES = {"1x128": "the default", "1x32": "a quarter of the batch", "2x32": "", "
          "4x128": "the default's clean batch"}
 
 
-def run_setting(task, tok, name: str, *, budget: float, points: list[float], eval_n: int, seed: int) -> dict:
+def run_setting(task, tok, name: str, *, points: list[float], eval_n: int, seed: int) -> dict:
     views, batch = SETTINGS[name]
     model_key, train_key = jax.random.split(jax.random.key(seed))
     model = BlockDiffusionLM(student_config(tok), key=model_key)
@@ -170,8 +170,7 @@ def main() -> None:
     results: dict[str, float] = {"eval_n": float(args.eval_n), "budget": args.budget}
     for seed in seeds:
         for name in names:
-            for key, value in run_setting(task, tok, name, budget=args.budget, points=points, eval_n=args.eval_n,
-                                          seed=seed).items():
+            for key, value in run_setting(task, tok, name, points=points, eval_n=args.eval_n, seed=seed).items():
                 results[f"seed{seed}.{name}.{key}"] = value
     if not args.no_write:
         write_results("noisy_views", results)

@@ -42,14 +42,14 @@ def test_each_view_is_its_own_one_view_layout(attention, weighting):
     # Tiles of 8 that straddle views and blocks: the tile plan must skip and mask across views exactly.
     config = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                          block_size=CANVAS.block_size, attention=attention, q_tile=8, k_tile=8)
-    model = eqx.filter_jit(BlockDiffusionLM.__call__)
-    params = BlockDiffusionLM(config, key=jax.random.key(0))
-    logits = np.asarray(model(params, batch.layout))
-    whole = sft_loss(model(params, batch.layout), batch).loss
+    forward = eqx.filter_jit(BlockDiffusionLM.__call__)
+    model = BlockDiffusionLM(config, key=jax.random.key(0))
+    logits = np.asarray(forward(model, batch.layout))
+    whole = sft_loss(forward(model, batch.layout), batch).loss
     numerator = denominator = 0.0
     for k in range(1, VIEWS + 1):
         single = _one_view(batch, k)
-        single_logits = model(params, single.layout)
+        single_logits = forward(model, single.layout)
         own = np.asarray(single_logits)
         np.testing.assert_allclose(logits[:, c + (k - 1) * n:c + k * n], own[:, c:], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(logits[:, :c], own[:, :c], rtol=1e-5, atol=1e-5)

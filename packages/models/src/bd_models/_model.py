@@ -135,8 +135,7 @@ class BlockDiffusionLM(eqx.Module):
             x_BxTxD = layer.finish(x_BxTxD, jnp.transpose(out_BxKxGxTxE, (0, 3, 1, 2, 4)), config)
             new_k.append(k_BxKxTxE)
             new_v.append(v_BxKxTxE)
-        x = x_BxTxD
-        logits = self._logits(x)
+        logits = self._logits(x_BxTxD)
         if commit is None:
             return logits, cache
         commit = jnp.asarray(commit) & jnp.asarray(chunk.valid)
