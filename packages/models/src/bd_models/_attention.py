@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from bd_core import TokenMeta, allowed
 
-from ._mask import tile_needed
+from ._mask import needed_first, tile_needed
 
 Array = jax.Array
 BATCH_AXES = ("data", "fsdp")
@@ -73,9 +73,7 @@ def cached_attention(q_BxKxGxTxE, kt_cache_BxKxExS, v_cache_BxKxSxE, cache_meta:
 
 def _tile_plan(q_meta: TokenMeta, k_meta: TokenMeta, q_tile: int, k_tile: int):
     """Per query tile: the indices of the needed key tiles first (`order [I, J]`) and their count."""
-    need_IxJ = tile_needed(q_meta, k_meta, q_tile, k_tile)
-    order_IxJ = jnp.argsort(~need_IxJ, axis=1, stable=True).astype(jnp.int32)
-    return order_IxJ, jnp.sum(need_IxJ, axis=1, dtype=jnp.int32)
+    return needed_first(tile_needed(q_meta, k_meta, q_tile, k_tile))
 
 
 def _split_q(x, n_tiles: int, axis: int):

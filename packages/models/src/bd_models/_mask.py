@@ -1,7 +1,8 @@
 """Which key tiles a query tile can see: the tile-level summary of `bd_core.allowed`.
 
 The rule itself lives in bd_core (`TokenMeta`, `allowed`); the blocked kernel asks `tile_needed`
-which key tiles to visit. Shape letters: see bd_core (B, T, S; Q/U query/key tile, I/J their counts).
+which key tiles to visit and `needed_first` in which order. Shape letters: see bd_core (B, T, S;
+Q/U query/key tile, I/J their counts).
 """
 
 from __future__ import annotations
@@ -40,3 +41,10 @@ def tile_needed(q: TokenMeta, k: TokenMeta, q_tile: int, k_tile: int) -> Array:
     rule1_BxIxJ = k_clean_min_BxJ[:, None, :] < q_block_max_BxI[:, :, None]
     overlap_BxIxJ = (q_lo_BxI[:, :, None] <= k_hi_BxJ[:, None, :]) & (k_lo_BxJ[:, None, :] <= q_hi_BxI[:, :, None])
     return jnp.any(rule1_BxIxJ | overlap_BxIxJ, axis=0)
+
+
+def needed_first(need_IxJ: Array) -> tuple[Array, Array]:
+    """A visiting plan from `[I, J]` needed flags: per row the indices of its needed columns first,
+    in order (`[I, J]` int32; the unneeded follow), and how many are needed (`[I]` int32)."""
+    return (jnp.argsort(~need_IxJ, axis=1, stable=True).astype(jnp.int32),
+            jnp.sum(need_IxJ, axis=1, dtype=jnp.int32))

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from bd_core import CLEAN_VIEW, TokenMeta
 
 from ._attention import tiled
-from ._mask import tile_needed
+from ._mask import needed_first, tile_needed
 
 Array = jax.Array
 
@@ -131,9 +131,7 @@ def _plans(q_meta: TokenMeta, k_meta: TokenMeta, q_tile: int, k_tile: int):
     """The needed tiles, needed ones first: per query tile its key tiles (`order [I, J]`, `count
     [I]`) and, transposed, per key tile its query tiles (`[J, I]`, `[J]`)."""
     need_IxJ = tile_needed(q_meta, k_meta, q_tile, k_tile)
-    plan = lambda need: (jnp.argsort(~need, axis=1, stable=True).astype(jnp.int32),  # noqa: E731
-                         jnp.sum(need, axis=1, dtype=jnp.int32))
-    return plan(need_IxJ), plan(need_IxJ.T)
+    return needed_first(need_IxJ), needed_first(need_IxJ.T)
 
 
 def _ints(meta: TokenMeta) -> tuple[Array, Array, Array]:
