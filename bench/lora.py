@@ -50,7 +50,7 @@ def measure(config: ModelConfig, batch: int, canvas: int, lora: LoRAConfig | Non
         model = add_lora(model, lora, key=jax.random.key(1))
     trainer = Trainer(sft_objective, optax.adamw(1e-3, weight_decay=0.01))
     state = trainer.init(model, key=jax.random.key(2))
-    memory = trainer._train.lower(state, data, True, False).compile().compiled.memory_analysis()
+    memory = trainer.lower(state, data).compile().memory_analysis()
     assert memory is not None, "this backend reports no memory analysis"
     state, _ = trainer.step(state, data)  # compiles (the same program) and warms up
     jax.block_until_ready(state)

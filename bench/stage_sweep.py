@@ -44,6 +44,12 @@ GRPO_VARIANTS = {
     "eps1e-3_lr1e-4": {"optim": {"lr": 1e-4, "eps": 1e-3}},
     "eps1e-3_lr3e-4": {"optim": {"lr": 3e-4, "eps": 1e-3}},
     "eps1e-4_lr3e-5": {"optim": {"lr": 3e-5, "eps": 1e-4}},
+    # The preset's sample budget (30 rollouts x 512 samples) spent on fewer, larger on-policy
+    # updates: one update per rollout of 2,048 samples, 8 rollouts. Two updates' gradients from
+    # independent 512-sample batches had cosine ~0 (prompt noise); 4x the samples average it down.
+    "p128x16_u1_lr1e-4": {"steps": 8, "prompts_per_step": 128, "updates_per_rollout": 1, "optim": {"lr": 1e-4}},
+    "p512x4_u1_lr1e-4": {"steps": 8, "prompts_per_step": 512, "group_size": 4, "updates_per_rollout": 1,
+                         "optim": {"lr": 1e-4}},
 }
 # LoRA against full fine-tuning at the same budget (steps, batch): rank 8 on all seven projections,
 # at the full run's learning rate and at a higher one (low-rank updates are usually run hotter).

@@ -321,3 +321,18 @@ def test_sharded_step_equals_single_device(batch_factory, mesh_shape):
     np.testing.assert_allclose(metrics["loss"], single_metrics["loss"], rtol=1e-6)
     assert _relative_error(state.opt_state, single.opt_state) <= 1e-6  # the gradients
     assert _relative_error(single.opt_state, _reference_grads(model, batch)) <= 1e-6
+
+
+def test_lower_gives_the_step_program_for_its_memory_and_cost(toy_model, batch_factory):
+    """`Trainer.lower` is the program `step` runs: it takes the state as arguments (parameters and
+    AdamW moments at least) and does the step's arithmetic, and compiling it does not run it."""
+    model, batch = toy_model(key=jax.random.key(4)), batch_factory(3, rows=8)
+    trainer = Trainer(sft_objective, make_optimizer(OptimizerConfig(learning_rate=1e-2)))
+    state = trainer.init(model, key=jax.random.key(0))
+    compiled = trainer.lower(state, batch).compile()
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(state.params, eqx.is_array)))
+    assert compiled.memory_analysis().argument_size_in_bytes >= 3 * param_bytes
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    assert cost["flops"] > 0
+    assert int(state.step) == 0

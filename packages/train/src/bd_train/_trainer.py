@@ -120,6 +120,11 @@ class Trainer:
                           is_update_step: bool = True) -> tuple[TrainState, dict]:
         return self._run(state, microbatches, is_update_step, presplit=True)
 
+    def lower(self, state: TrainState, batch: Any, *, is_update_step: bool = True) -> Any:
+        """The program `step(state, batch)` runs, lowered for these shapes (not run): `.compile()`
+        gives the compiled step, e.g. for its `memory_analysis()` or `cost_analysis()`."""
+        return self._train.lower(state, batch, is_update_step, False).lowered
+
     def _run(self, state: TrainState, batch: Any, is_update_step: bool, presplit: bool) -> tuple[TrainState, dict]:
         if not is_update_step and state.accumulator is None:
             raise ValueError("is_update_step=False needs an accumulator in the state: build the Trainer with "
