@@ -50,6 +50,9 @@ GRPO_VARIANTS = {
     "p128x16_u1_lr1e-4": {"steps": 8, "prompts_per_step": 128, "updates_per_rollout": 1, "optim": {"lr": 1e-4}},
     "p512x4_u1_lr1e-4": {"steps": 8, "prompts_per_step": 512, "group_size": 4, "updates_per_rollout": 1,
                          "optim": {"lr": 1e-4}},
+    "p128x16_u1_lr3e-4": {"steps": 8, "prompts_per_step": 128, "updates_per_rollout": 1, "optim": {"lr": 3e-4}},
+    "p128x16_u1_lr1e-4_x16": {"steps": 16, "prompts_per_step": 128, "updates_per_rollout": 1,
+                              "optim": {"lr": 1e-4}},
 }
 # LoRA against full fine-tuning at the same budget (steps, batch): rank 8 on all seven projections,
 # at the full run's learning rate and at a higher one (low-rank updates are usually run hotter).
