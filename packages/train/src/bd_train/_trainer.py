@@ -120,7 +120,7 @@ class Trainer:
                           is_update_step: bool = True) -> tuple[TrainState, dict]:
         return self._run(state, microbatches, is_update_step, presplit=True)
 
-    def lower(self, state: TrainState, batch: Any, *, is_update_step: bool = True) -> Any:
+    def lower(self, state: TrainState, batch: Any, *, is_update_step: bool = True) -> jax.stages.Lowered:
         """The program `step(state, batch)` runs, lowered for these shapes (not run): `.compile()`
         gives the compiled step, e.g. for its `memory_analysis()` or `cost_analysis()`."""
         return self._train.lower(state, batch, is_update_step, False).lowered
