@@ -31,27 +31,43 @@ OPD_VARIANTS = {
     "greedy_rollouts": {"sampler": {"temperature": 0.0}},
     "steps240": {"steps": 240},
 }
+
+
+def _on(base: dict, **changes) -> dict:
+    """`base` with `changes`; an `optim` change merges into the base's `optim`."""
+    merged = {**base, **changes}
+    if "optim" in changes:
+        merged["optim"] = {**base.get("optim", {}), **changes["optim"]}
+    return merged
+
+
+# The GRPO preset before the sweep below replaced it: 30 rollouts of 32 prompts x 16, 4 updates each.
+EARLIER = {"steps": 30, "prompts_per_step": 32, "group_size": 16, "updates_per_rollout": 4, "optim": {"lr": 1e-5}}
 GRPO_VARIANTS = {
     "base": {},
-    "p128x4": {"prompts_per_step": 128, "group_size": 4},
-    "p128x4_lr3e-5": {"prompts_per_step": 128, "group_size": 4, "optim": {"lr": 3e-5}},
-    "p256x2_lr3e-5": {"prompts_per_step": 256, "group_size": 2, "optim": {"lr": 3e-5}},
-    "lr3e-5": {"optim": {"lr": 3e-5}},
-    "t0.7": {"sampler": {"temperature": 0.7}},
+    "earlier": EARLIER,
+    "p128x4": _on(EARLIER, prompts_per_step=128, group_size=4),
+    "p128x4_lr3e-5": _on(EARLIER, prompts_per_step=128, group_size=4, optim={"lr": 3e-5}),
+    "p256x2_lr3e-5": _on(EARLIER, prompts_per_step=256, group_size=2, optim={"lr": 3e-5}),
+    "lr3e-5": _on(EARLIER, optim={"lr": 3e-5}),
+    "t0.7": _on(EARLIER, sampler={"temperature": 0.7}),
     # Adam's epsilon above the typical gradient RMS (~1e-3 here): parameters with a small, noisy
     # gradient (e.g. embedding rows of tokens the task never uses) move in proportion to it
     # instead of by a full unit step, so a larger learning rate can follow the signal.
-    "eps1e-3_lr1e-4": {"optim": {"lr": 1e-4, "eps": 1e-3}},
-    "eps1e-3_lr3e-4": {"optim": {"lr": 3e-4, "eps": 1e-3}},
-    "eps1e-4_lr3e-5": {"optim": {"lr": 3e-5, "eps": 1e-4}},
-    # The preset's sample budget (30 rollouts x 512 samples) spent on fewer, larger on-policy
-    # updates: one update per rollout of 2,048 samples, 8 rollouts. Two updates' gradients from
-    # independent 512-sample batches had cosine ~0 (prompt noise); 4x the samples average it down.
-    "p128x16_u1_lr1e-4": {"steps": 8, "prompts_per_step": 128, "updates_per_rollout": 1, "optim": {"lr": 1e-4}},
+    "eps1e-3_lr1e-4": _on(EARLIER, optim={"lr": 1e-4, "eps": 1e-3}),
+    "eps1e-3_lr3e-4": _on(EARLIER, optim={"lr": 3e-4, "eps": 1e-3}),
+    "eps1e-4_lr3e-5": _on(EARLIER, optim={"lr": 3e-5, "eps": 1e-4}),
+    # The earlier preset's sample budget (30 rollouts x 512 samples) spent on fewer, larger
+    # on-policy updates: one update per rollout of 2,048 samples, 8 rollouts (the preset now). Two
+    # updates' gradients from independent 512-sample batches had cosine ~0 (prompt noise); 4x the
+    # samples average it down.
+    "p128x16_u1_lr1e-4": {"steps": 8, "prompts_per_step": 128, "group_size": 16, "updates_per_rollout": 1,
+                          "optim": {"lr": 1e-4}},
     "p512x4_u1_lr1e-4": {"steps": 8, "prompts_per_step": 512, "group_size": 4, "updates_per_rollout": 1,
                          "optim": {"lr": 1e-4}},
-    "p128x16_u1_lr3e-4": {"steps": 8, "prompts_per_step": 128, "updates_per_rollout": 1, "optim": {"lr": 3e-4}},
-    "p128x16_u1_lr1e-4_x16": {"steps": 16, "prompts_per_step": 128, "updates_per_rollout": 1,
+    "p128x16_u1_lr3e-4": {"steps": 8, "prompts_per_step": 128, "group_size": 16, "updates_per_rollout": 1,
+                          "optim": {"lr": 3e-4}},
+    "p128x16_u1_lr1e-4_x16": {"steps": 16, "prompts_per_step": 128, "group_size": 16, "updates_per_rollout": 1,
                               "optim": {"lr": 1e-4}},
 }
 # LoRA against full fine-tuning at the same budget (steps, batch): rank 8 on all seven projections,
@@ -60,9 +76,8 @@ LORA = {"rank": 8, "alpha": 16.0, "targets": ["wq", "wk", "wv", "wo", "w_gate", 
 OPD_VARIANTS |= {"lora_r8": {"student": {"lora": LORA | {"stages": ["opd"]}}},
                  "lora_r8_lr1e-2": {"student": {"lora": LORA | {"stages": ["opd"]}},
                                     "opd": {"optim": {"lr": 1e-2}}}}
-GRPO_VARIANTS |= {"lora_r8": {"student": {"lora": LORA | {"stages": ["grpo"]}}},
-                  "lora_r8_lr1e-4": {"student": {"lora": LORA | {"stages": ["grpo"]}},
-                                     "grpo": {"optim": {"lr": 1e-4}}}}
+GRPO_VARIANTS |= {"lora_r8": _on(EARLIER, student={"lora": LORA | {"stages": ["grpo"]}}),  # on the earlier preset
+                  "lora_r8_lr1e-4": _on(EARLIER, student={"lora": LORA | {"stages": ["grpo"]}}, optim={"lr": 1e-4})}
 VARIANTS = {"opd": OPD_VARIANTS, "grpo": GRPO_VARIANTS}
 
 
