@@ -79,8 +79,10 @@ def report(rows: dict[int, dict], seconds: float) -> str:
         lines.append(f"GRPO ({mode} rollouts) adds {_stats(gain)} accuracy over OPD "
                      f"(per seed: {', '.join(f'{g:+.3f}' for g in gain)}; "
                      f"{int((gain > 0).sum())}/{len(gain)} seeds improve).")
-    lines.append(f"\n{len(seeds)} seeds, {seconds / 60:.0f} min in one process. Held-out accuracy: greedy "
-                 f"threshold decoding on the preset's `[eval] n` problems, the same before and after each stage.")
+    lines.append(f"\n{len(seeds)} seeds, {seconds / 60:.0f} min in one process (a stage whose final checkpoint is "
+                 "already in the output folder is restored and evaluated, not trained again). Held-out accuracy: "
+                 "greedy threshold decoding on the preset's `[eval] n` problems, the same before and after each "
+                 "stage.")
     return "\n".join(lines)
 
 
