@@ -45,7 +45,7 @@ run: sync
 # most tests spend their time compiling on one thread. TEST_WORKERS=0 runs in this process alone.
 TEST_WORKERS ?= 2
 test: sync
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(RUN) pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" $(RUN) pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # ruff (style, imports, bugbear) and pyright (types), configured in pyproject.toml.
 lint: sync

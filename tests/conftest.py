@@ -11,11 +11,13 @@ FLOW = str(Path(__file__).resolve().parents[1] / "flows" / "bd_pipeline.py")
 class FlowRuns:
     flow = FLOW
 
-    @staticmethod
-    def env(**extra) -> dict:
+    def __init__(self, xla_flags: str):
+        self.xla_flags = xla_flags
+
+    def env(self, **extra) -> dict:
         # The datastore is found from the working directory (`<cwd>/.metaflow`), a temp dir here.
         return {"METAFLOW_USER": "tester", "WANDB_MODE": "offline", "BDLM_PROGRESS": "0", "JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": "", **extra}
+                "XLA_FLAGS": self.xla_flags, **extra}
 
     def crash_and_resume(self, preset: Path, cwd: Path, *, fault: str = "grpo:2"):
         """Run `preset` with the stage failing after the step `fault` names ("<stage>:<step>"),
@@ -34,5 +36,5 @@ class FlowRuns:
 
 
 @pytest.fixture(scope="session")
-def flow_runs() -> FlowRuns:
-    return FlowRuns()
+def flow_runs(child_xla_flags) -> FlowRuns:
+    return FlowRuns(child_xla_flags)

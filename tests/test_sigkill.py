@@ -112,8 +112,9 @@ class Attempt:
     after_kill: dict[str, list[str]] | None = None  # and once the process was gone
 
 
-def _env(cache: Path) -> dict[str, str]:
-    return {**os.environ, "WANDB_MODE": "disabled", "BDLM_PROGRESS": "0", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
+def _env(cache: Path, xla_flags: str) -> dict[str, str]:
+    return {**os.environ, "WANDB_MODE": "disabled", "BDLM_PROGRESS": "0", "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": xla_flags,
             "JAX_COMPILATION_CACHE_DIR": str(cache),
             # `eqx.error_if` (in the sampler's cached forward) is a host callback under the default
             # "raise", and JAX never writes programs with host callbacks to its persistent cache: every
@@ -168,10 +169,10 @@ def cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache) -> Path:
+def reference(tmp_path_factory, cache, child_xla_flags) -> Path:
     """The chain run once without a kill (it also fills the compilation cache)."""
     case = tmp_path_factory.mktemp("sigkill") / "reference"
-    attempt = _attempt(case, _env(cache))
+    attempt = _attempt(case, _env(cache, child_xla_flags))
     assert attempt.returncode == 0, _log_tail(case)
     assert attempt.restored == {}, attempt.restored
     print(f"\nreference: {attempt.seconds:.0f} s")
@@ -179,11 +180,11 @@ def reference(tmp_path_factory, cache) -> Path:
 
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory, cache, reference) -> tuple[Path, list[Attempt]]:
+def killed(tmp_path_factory, cache, reference, child_xla_flags) -> tuple[Path, list[Attempt]]:
     """The chain killed at every kill point in turn, then run to the end: one attempt per kill
     point (in `KILLS` order), and the last."""
     case = tmp_path_factory.mktemp("sigkill") / "killed"
-    env = _env(cache)
+    env = _env(cache, child_xla_flags)
     attempts = [_attempt(case, env, kill) for kill in KILLS]
     attempts.append(_attempt(case, env))
     for attempt in attempts:

@@ -16,7 +16,7 @@ WORKER = Path(__file__).with_name("stages_worker.py")
 
 
 @pytest.fixture(scope="module")
-def stages(tmp_path_factory):
+def stages(tmp_path_factory, child_xla_flags):
     """The group's two processes and the single 8-device process, run side by side; returns the
     single process's summary and the group's summaries, after checking that all three ended well."""
     from bd_train.distributed import free_port
@@ -24,9 +24,10 @@ def stages(tmp_path_factory):
     group_dir, single_dir = tmp_path_factory.mktemp("group"), tmp_path_factory.mktemp("single")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_MODE": "offline", "BDLM_PROGRESS": "0"}
     coordinator = f"127.0.0.1:{free_port()}"
-    commands = [([str(WORKER), coordinator, "2", str(i), str(group_dir)], {**env, "XLA_FLAGS": ""}) for i in range(2)]
+    group = {**env, "XLA_FLAGS": child_xla_flags}
+    commands = [([str(WORKER), coordinator, "2", str(i), str(group_dir)], group) for i in range(2)]
     commands.append(([str(WORKER), "single", str(single_dir)],
-                     {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}))
+                     {**env, "XLA_FLAGS": f"{child_xla_flags} --xla_force_host_platform_device_count=8"}))
     procs = [subprocess.Popen([sys.executable, *args], env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for args, penv in commands]
     try:

@@ -26,12 +26,12 @@ def _worker_module():
     return module
 
 
-def test_two_processes_equal_one_and_share_a_checkpoint(tmp_path):
+def test_two_processes_equal_one_and_share_a_checkpoint(tmp_path, child_xla_flags):
     assert jax.device_count() == 8
     group_dir, single_dir = tmp_path / "group", tmp_path / "single"
     group_dir.mkdir()
     coordinator = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": child_xla_flags, "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen([sys.executable, str(WORKER), coordinator, "2", str(i), str(group_dir)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     worker = _worker_module()

@@ -51,8 +51,9 @@ def test_the_same_checkpoint_gives_the_same_numbers(checkpoint):
     assert one_per_step["nfe_per_token"] >= max(p["nfe_per_token"] for p in first["accuracy_vs_nfe"][:-1])
 
 
-def test_the_command_writes_json_and_a_plot_and_refuses_a_bad_folder_in_one_line(checkpoint, tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+def test_the_command_writes_json_and_a_plot_and_refuses_a_bad_folder_in_one_line(checkpoint, tmp_path,
+                                                                                 child_xla_flags):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": child_xla_flags}
     out = tmp_path / "eval.json"
     done = subprocess.run([sys.executable, "-m", "bd_train.evaluate", "--checkpoint", checkpoint, "--n", "8",
                            "--samples", "2", "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
