@@ -46,7 +46,8 @@ def prompts(seed: int, batch: int = 4, length: int = 8):
     (dict(max_new_tokens=10), "max_new_tokens"),
     (dict(strategy="greedy"), "strategy"),
     (dict(confidence="logit"), "confidence"),
-    (dict(threshold=1.5), "threshold"),
+    (dict(threshold=-0.5), "threshold"),
+    (dict(threshold=float("nan")), "threshold"),
     (dict(steps_per_block=2), "steps_per_block"),  # belongs to strategy='steps'
     (dict(strategy="steps", steps_per_block=5), "steps_per_block"),
     (dict(strategy="steps", max_steps_per_block=2), "max_steps_per_block"),
@@ -283,6 +284,20 @@ def test_one_token_per_step_and_single_block_prompts():
     out = sample(MODEL, (tokens, valid), cfg, key=jax.random.PRNGKey(10))
     check_rollout(out, cfg, prefill=0)  # the only prompt block is committed by the first step
     assert np.all(np.asarray(out.nfe) == cfg.max_new_tokens)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_threshold_above_one_commits_what_one_per_step_does(temperature):
+    """`threshold` with a threshold no confidence reaches commits the most confident position each
+    step: the same tokens, trace and NFE as `steps` at one per step, from the same key."""
+    tokens, valid = prompts(15)
+    key = jax.random.PRNGKey(15)
+    one = sample(MODEL, (tokens, valid), config(strategy="steps", temperature=temperature), key=key)
+    for threshold in (1.5, float("inf")):
+        out = sample(MODEL, (tokens, valid), config(threshold=threshold, temperature=temperature), key=key)
+        for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(one), strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert np.asarray(one.trace.committed).sum(-1).max() == 1
 
 
 class _Letters:

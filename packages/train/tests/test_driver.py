@@ -10,7 +10,9 @@ import signal
 import tomllib
 from pathlib import Path
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -84,6 +86,22 @@ def test_sigterm_saves_and_a_second_drive_continues_to_the_uninterrupted_result(
     for got, want in zip(_final_params(run), _final_params(uninterrupted)):
         np.testing.assert_array_equal(got, want)
     assert resumed.evaluation.metrics() == reference.evaluation.metrics()
+
+
+def test_a_fresh_state_compiles_to_the_program_of_its_restored_checkpoint(run):
+    """A stage starts from fresh weights, the next from their checkpoint: both are committed to the
+    device, so a program compiled for one (the sampler of the evaluation, say) serves the other,
+    from memory or from JAX's persistent compilation cache."""
+    model_config, identity = run.model_config("student"), run.identity("student")
+    optimizer = make_optimizer(run.optimizer_config(run.config.sft.optim, TOTAL))
+    state = run.fresh_state(model_config, optimizer, key=jax.random.key(0))
+    directory = run.where.checkpoint_dir("sft-student")
+    with Checkpointer(directory) as checkpoints:
+        checkpoints.save(state, fingerprints={"identity": identity}, force=True)
+        checkpoints.wait()
+    restored = run.restore_model(directory, model_config, identity, what="the checkpoint")
+    program = eqx.filter_jit(lambda model: [jnp.sum(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))])
+    assert program.lower(state.model).as_text() == program.lower(restored).as_text()
 
 
 def test_fail_after_stops_right_after_a_saved_step_once(run, monkeypatch, capsys):

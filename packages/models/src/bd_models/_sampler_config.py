@@ -39,7 +39,9 @@ class SamplerConfig(eqx.Module):
     stored with `mask_id` and `pad_id` banned, so they are never sampled.
     Commit strategy per step: `threshold` commits every masked position whose confidence is >=
     `threshold` (at least the most confident one), for at most `max_steps_per_block` steps
-    (default `block_size`); `steps` commits the `block_size / steps_per_block` most confident
+    (default `block_size`) — a threshold above 1 (e.g. `inf`) commits exactly the most confident
+    one, the same positions as `steps` at one per step, in the same compiled program as any other
+    threshold; `steps` commits the `block_size / steps_per_block` most confident
     positions per step (default one per step); `random` commits as many per step as `steps`, but
     chosen uniformly at random among the masked positions, independently of the model. The last
     allowed step commits everything left. Confidence is the sampled token's `probability`, the
@@ -95,8 +97,9 @@ class SamplerConfig(eqx.Module):
             raise config_error(OWNER, "strategy", strategy, f"one of {STRATEGIES}")
         if confidence not in CONFIDENCE_RULES:
             raise config_error(OWNER, "confidence", confidence, f"one of {CONFIDENCE_RULES}")
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
-            raise config_error(OWNER, "threshold", threshold, "a number in [0, 1] (confidences lie in [0, 1])")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
+            raise config_error(OWNER, "threshold", threshold,
+                               "a number >= 0 (confidences lie in [0, 1]; above 1, e.g. inf: one position per step)")
         # each strategy has its own step cap; the other one's must stay unset
         (steps_field, steps), (other_field, other) = (
             (("steps_per_block", steps_per_block), ("max_steps_per_block", max_steps_per_block))

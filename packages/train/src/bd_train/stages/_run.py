@@ -273,7 +273,9 @@ class Run:
         """A new model (built straight into its shards on a mesh) in a new train state."""
         model_key, train_key = jax.random.split(key)
         make = lambda: BlockDiffusionLM(model_config, key=model_key)  # noqa: E731
-        return TrainState.init(make() if mesh is None else init_sharded(make, mesh), optimizer, key=train_key)
+        if mesh is not None:
+            return TrainState.init(init_sharded(make, mesh), optimizer, key=train_key)
+        return committed(TrainState.init(make(), optimizer, key=train_key))
 
     def initial_state(self, role: str, model_config: ModelConfig, optimizer, *, key: jax.Array,
                       mesh: jax.sharding.Mesh | None = None) -> TrainState:
@@ -288,7 +290,8 @@ class Run:
         lora = self.lora(role, "sft")
         if lora is not None:
             model = self.adapt(model, lora, f"sft-{role}")
-        return TrainState.init(model, optimizer, key=jax.random.split(key)[1])
+        state = TrainState.init(model, optimizer, key=jax.random.split(key)[1])
+        return state if mesh is not None else committed(state)
 
     # -- LoRA ----------------------------------------------------------------------------------------
 
@@ -409,3 +412,13 @@ def open_checkpoints(directory: str | Path, *, create: bool, max_to_keep: int | 
         return Checkpointer(directory, max_to_keep=max_to_keep, create=create)
     except CheckpointError as err:
         raise StageError(str(err)) from None
+
+
+def committed(tree: Any) -> Any:
+    """`tree`'s arrays committed to the default device, as a restored checkpoint's are. A program
+    compiled for committed arguments differs from one for uncommitted arguments (it carries their
+    shardings), so a stage that starts from fresh or imported weights would otherwise compile its
+    sampler and evaluation anew for the next stage, which starts from the saved checkpoint (and
+    miss JAX's persistent compilation cache)."""
+    device = jax.local_devices()[0]
+    return jax.tree.map(lambda x: jax.device_put(x, device) if isinstance(x, jax.Array) else x, tree)
