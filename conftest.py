@@ -3,9 +3,9 @@ XLA's CPU backend at optimization level 0.
 
 The suite compiles hundreds of small programs and runs few large ones, so compiling is most of its
 time; unoptimised CPU code compiles 2-3x faster (a sampler of the default preset: 3.0 s against
-6.8 s) and the suite runs about a quarter faster. What the tests compare is computed in one mode
-(a path against its reference, a resumed run against an uninterrupted one), so they hold in either;
-the pipeline and the benchmarks compile at XLA's default level. Processes that tests start get the
+6.8 s), and compile-bound test files ran 20-30% faster. What the tests compare is computed in one
+mode (a path against its reference, a resumed run against an uninterrupted one), so they hold in
+either; the pipeline and the benchmarks compile at XLA's default level. Processes that tests start get the
 same level through `child_xla_flags`.
 """
 
