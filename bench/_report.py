@@ -2,6 +2,8 @@
 of BENCHMARKS.md, between `<!-- <name>:start -->` and `<!-- <name>:end -->` markers."""
 
 import json
+import os
+import platform
 import re
 from pathlib import Path
 
@@ -19,11 +21,29 @@ def write_results(name: str, results: dict) -> None:
     path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
+def machine() -> str:
+    """The CPU this process may use, as each section names it: XLA compiles for the processor it
+    runs on, so another CPU model gives other speeds and, after training, other numbers."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return f"{cores} cores, {platform.processor() or platform.machine()}"
+    info: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    flags = info.get("flags", "").split()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "without AVX2"
+    return (f"{cores} cores of {info.get('model name', platform.machine())} (CPU family {info.get('cpu family', '?')}, "
+            f"model {info.get('model', '?')}), {isa}")
+
+
 def write_section(name: str, body: str, markdown: Path = MARKDOWN) -> None:
     """Replace this benchmark's section of `markdown` (BENCHMARKS.md unless given; appended if
-    missing), nothing else."""
+    missing), nothing else. The section ends with the machine it was measured on."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    section = f"{start}\n{body.strip()}\n{end}"
+    section = f"{start}\n{body.strip()}\n\nMachine: {machine()}.\n{end}"
     text = markdown.read_text() if markdown.exists() else "# bdlm benchmarks\n"
     if start in text and end in text:
         text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: section, text, flags=re.S)

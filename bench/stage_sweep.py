@@ -41,8 +41,14 @@ def _on(base: dict, **changes) -> dict:
     return merged
 
 
+# Rollouts at temperature 1, as every variant measured before the preset moved to 0.7 had them.
+T1 = {"sampler": {"temperature": 1.0}}
 # The GRPO preset before the sweep below replaced it: 30 rollouts of 32 prompts x 16, 4 updates each.
-EARLIER = {"steps": 30, "prompts_per_step": 32, "group_size": 16, "updates_per_rollout": 4, "optim": {"lr": 1e-5}}
+EARLIER = {"steps": 30, "prompts_per_step": 32, "group_size": 16, "updates_per_rollout": 4, "optim": {"lr": 1e-5},
+           **T1}
+# Then: 8 rollouts of 128 prompts x 16, one update each at lr 1e-4, at temperature 1.
+EIGHT = {"steps": 8, "prompts_per_step": 128, "group_size": 16, "updates_per_rollout": 1, "optim": {"lr": 1e-4},
+         **T1}
 GRPO_VARIANTS = {
     "base": {},
     "earlier": EARLIER,
@@ -58,17 +64,26 @@ GRPO_VARIANTS = {
     "eps1e-3_lr3e-4": _on(EARLIER, optim={"lr": 3e-4, "eps": 1e-3}),
     "eps1e-4_lr3e-5": _on(EARLIER, optim={"lr": 3e-5, "eps": 1e-4}),
     # The earlier preset's sample budget (30 rollouts x 512 samples) spent on fewer, larger
-    # on-policy updates: one update per rollout of 2,048 samples, 8 rollouts (the preset now). Two
-    # updates' gradients from independent 512-sample batches had cosine ~0 (prompt noise); 4x the
-    # samples average it down.
-    "p128x16_u1_lr1e-4": {"steps": 8, "prompts_per_step": 128, "group_size": 16, "updates_per_rollout": 1,
-                          "optim": {"lr": 1e-4}},
-    "p512x4_u1_lr1e-4": {"steps": 8, "prompts_per_step": 512, "group_size": 4, "updates_per_rollout": 1,
-                         "optim": {"lr": 1e-4}},
-    "p128x16_u1_lr3e-4": {"steps": 8, "prompts_per_step": 128, "group_size": 16, "updates_per_rollout": 1,
-                          "optim": {"lr": 3e-4}},
-    "p128x16_u1_lr1e-4_x16": {"steps": 16, "prompts_per_step": 128, "group_size": 16, "updates_per_rollout": 1,
-                              "optim": {"lr": 1e-4}},
+    # on-policy updates: one update per rollout of 2,048 samples, 8 rollouts. Two updates'
+    # gradients from independent 512-sample batches had cosine ~0 (prompt noise); 4x the samples
+    # average it down.
+    "p128x16_u1_lr1e-4": EIGHT,
+    "p512x4_u1_lr1e-4": _on(EIGHT, prompts_per_step=512, group_size=4),
+    "p128x16_u1_lr3e-4": _on(EIGHT, optim={"lr": 3e-4}),
+    "p128x16_u1_lr1e-4_x16": _on(EIGHT, steps=16),
+    # Longer GRPO at that rollout size: 32 rollouts, cosine decay or a constant lr.
+    "x32": _on(EIGHT, steps=32),
+    "x32_const": _on(EIGHT, steps=32, optim={"schedule": "constant"}),
+    # Four times the prompts per update (8,192 samples): less prompt noise per step, so a larger lr.
+    "p512x16_u1_lr1e-4": _on(EIGHT, prompts_per_step=512),
+    "p512x16_u1_lr3e-4": _on(EIGHT, prompts_per_step=512, optim={"lr": 3e-4}),
+    # Rollouts nearer the greedy decoding the evaluation uses (confidence stays the temperature-1
+    # probability of the sampled token). `base_t0.7` is the preset now.
+    "base_t0.7": _on(EIGHT, sampler={"temperature": 0.7}),
+    "base_t0.5": _on(EIGHT, sampler={"temperature": 0.5}),
+    "t0.7_x16": _on(EIGHT, steps=16, sampler={"temperature": 0.7}),
+    "t0.7_lr2e-4": _on(EIGHT, sampler={"temperature": 0.7}, optim={"lr": 2e-4}),
+    "t0.7_p512": _on(EIGHT, prompts_per_step=512, sampler={"temperature": 0.7}),
 }
 # LoRA against full fine-tuning at the same budget (steps, batch): rank 8 on all seven projections,
 # at the full run's learning rate and at a higher one (low-rank updates are usually run hotter).
