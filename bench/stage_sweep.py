@@ -7,7 +7,7 @@ accuracy (and for OPD the fraction of the teacher–student gap closed), per see
 Writes `bench/results/<stage>_sweep.json`.
 
     python bench/stage_sweep.py opd [--seeds 0] [--variants base masked ...]
-    python bench/stage_sweep.py grpo [--seeds 0] [--variants base p128x4 ...]
+    python bench/stage_sweep.py grpo [--seeds 0] [--variants base p128x4 ...] [--from-sft]
 """
 
 from __future__ import annotations
@@ -84,6 +84,9 @@ GRPO_VARIANTS = {
     "t0.7_x16": _on(EIGHT, steps=16, sampler={"temperature": 0.7}),
     "t0.7_lr2e-4": _on(EIGHT, sampler={"temperature": 0.7}, optim={"lr": 2e-4}),
     "t0.7_p512": _on(EIGHT, prompts_per_step=512, sampler={"temperature": 0.7}),
+    "t0.7_x32": _on(EIGHT, steps=32, sampler={"temperature": 0.7}),
+    "t0.7_x32_lr3e-4": _on(EIGHT, steps=32, sampler={"temperature": 0.7}, optim={"lr": 3e-4}),
+    "t0.7_x64_const": _on(EIGHT, steps=64, sampler={"temperature": 0.7}, optim={"schedule": "constant"}),
 }
 # LoRA against full fine-tuning at the same budget (steps, batch): rank 8 on all seven projections,
 # at the full run's learning rate and at a higher one (low-rank updates are usually run hotter).
@@ -115,6 +118,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=None)
     parser.add_argument("--output-dir", default=str(ROOT / "runs" / "rl_study"))
     parser.add_argument("--results", default=None, help="the results file's name (default: <stage>_sweep)")
+    parser.add_argument("--from-sft", action="store_true",
+                        help="grpo: start from the student's SFT checkpoint instead of OPD's")
     args = parser.parse_args()
     variants = VARIANTS[args.stage]
     names = args.variants or list(variants)
@@ -130,11 +135,13 @@ def main() -> None:
         teacher = run_sft(config, where, role="teacher")
         student = run_sft(config, where, role="student")
         opd = run_opd(config, where, teacher=teacher, student=student) if args.stage == "grpo" else None
+        if opd is not None and args.from_sft:
+            opd = student  # GRPO's starting model: what OPD would have started from
         assert teacher.evaluation is not None and student.evaluation is not None
         for name in names:
             vconfig = parse_pipeline_config(preset_data(base, seed=seed, output_dir=args.output_dir,
                                                         **overrides(args.stage, variants[name])))
-            vwhere = RunDir.create(vconfig, run_id=f"seed{seed}-{args.stage}-{name}")
+            vwhere = RunDir.create(vconfig, run_id=f"seed{seed}-{args.stage}-{name}" + ("-from-sft" * args.from_sft))
             t0 = time.perf_counter()
             if opd is None:
                 result = run_opd(vconfig, vwhere, teacher=teacher, student=student)
