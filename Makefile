@@ -66,5 +66,5 @@ interop:
 # Benchmarks print ratios measured in one process and refresh their section of BENCHMARKS.md.
 bench: sync
 	@for f in bench/train_step.py bench/sampling.py bench/sft_weighting.py bench/remat.py bench/import_memory.py bench/lora.py \
-	  bench/profile_step.py bench/sampler_batch.py bench/noisy_views.py; do \
+	  bench/profile_step.py bench/sampler_batch.py bench/noisy_views.py bench/host_memory.py; do \
 	  if [ -f $$f ]; then echo "== $$f"; $(RUN) python $$f || exit 1; fi; done

@@ -40,6 +40,12 @@ except ModuleNotFoundError as err:  # a Python outside the workspace venv, e.g. 
     sys.exit(f"bd_pipeline: this Python ({sys.executable}) has no Metaflow. Run the flow in the workspace venv: "
              "`make run PRESET=smoke` (sets it up), or `.venv/bin/python flows/bd_pipeline.py ...` after `make sync`.")
 
+from bd_core import reuse_host_memory  # noqa: E402  (after the metaflow check above)
+
+# Every step runs in its own process that imports this module: XLA's per-execution buffers reuse
+# freed host memory instead of page-faulting fresh pages each time (bd_core._host_memory).
+reuse_host_memory()
+
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "default.toml")
 
 
