@@ -7,6 +7,9 @@ export UV_COMPILE_BYTECODE := 1
 export UV_LINK_MODE := copy
 export UV_NO_CONFIG := 1
 RUN := $(UV) run --no-sync
+# malloc backs XLA:CPU's per-step buffers with transparent huge pages instead of faulting them in
+# 4 KiB at a time (bd_core._host_memory); a GLIBC_TUNABLES already in the environment is kept.
+export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 PKG_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml)
 
 .PHONY: sync test lint run bench clean interop

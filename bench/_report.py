@@ -7,11 +7,7 @@ import platform
 import re
 from pathlib import Path
 
-from bd_core import reuse_host_memory
-
-# Every benchmark process serves XLA's buffers from reused host memory, as the pipeline's processes
-# do (bd_core._host_memory); `bench/host_memory.py` measures what that buys.
-reuse_host_memory()
+from bd_core import huge_page_malloc_active
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKDOWN = ROOT / "BENCHMARKS.md"
@@ -29,7 +25,8 @@ def write_results(name: str, results: dict) -> None:
 
 def machine() -> str:
     """The CPU this process may use, as each section names it: XLA compiles for the processor it
-    runs on, so another CPU model gives other speeds and, after training, other numbers."""
+    runs on, so another CPU model gives other speeds and, after training, other numbers; and whether
+    malloc backs XLA's buffers with huge pages (bd_core._host_memory), which moves step times."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -41,8 +38,9 @@ def machine() -> str:
         info.setdefault(key.strip(), value.strip())
     flags = info.get("flags", "").split()
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "without AVX2"
+    malloc = "malloc on huge pages" if huge_page_malloc_active() else "malloc on 4 KiB pages"
     return (f"{cores} cores of {info.get('model name', platform.machine())} (CPU family {info.get('cpu family', '?')}, "
-            f"model {info.get('model', '?')}), {isa}")
+            f"model {info.get('model', '?')}), {isa}, {malloc}")
 
 
 def write_section(name: str, body: str, markdown: Path = MARKDOWN) -> None:

@@ -40,11 +40,11 @@ except ModuleNotFoundError as err:  # a Python outside the workspace venv, e.g. 
     sys.exit(f"bd_pipeline: this Python ({sys.executable}) has no Metaflow. Run the flow in the workspace venv: "
              "`make run PRESET=smoke` (sets it up), or `.venv/bin/python flows/bd_pipeline.py ...` after `make sync`.")
 
-from bd_core import reuse_host_memory  # noqa: E402  (after the metaflow check above)
+from bd_core import with_huge_page_malloc  # noqa: E402  (after the metaflow check above)
 
-# Every step runs in its own process that imports this module: XLA's per-execution buffers reuse
-# freed host memory instead of page-faulting fresh pages each time (bd_core._host_memory).
-reuse_host_memory()
+# Every step runs in a process Metaflow starts from this one: malloc there backs XLA's per-step
+# buffers with huge pages instead of faulting them in 4 KiB at a time (bd_core._host_memory).
+with_huge_page_malloc(os.environ)
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "default.toml")
 

@@ -2,8 +2,8 @@
 
 Weighted metrics that reduce globally (normalize once over all microbatches and devices), typed and
 validated batches, traces and rollouts, the attention rule of the view layout, config errors and
-fingerprints; and `reuse_host_memory`, the host allocator setting that spares XLA:CPU a page fault per
-buffer page per execution. Depends on jax and numpy only.
+fingerprints; and `with_huge_page_malloc`, the glibc setting that spares XLA:CPU a page fault per 4 KiB
+of its buffers per execution. Depends on jax and numpy only.
 
 Shape letters, one meaning each across every bdlm package (arrays are named `x_BxTxD`):
 
@@ -28,7 +28,8 @@ from ._fingerprint import FingerprintMismatch as FingerprintMismatch
 from ._fingerprint import canonical as canonical
 from ._fingerprint import fingerprint as fingerprint
 from ._fingerprint import require_compatible as require_compatible
-from ._host_memory import reuse_host_memory as reuse_host_memory
+from ._host_memory import huge_page_malloc_active as huge_page_malloc_active
+from ._host_memory import with_huge_page_malloc as with_huge_page_malloc
 from ._mask import TokenMeta as TokenMeta
 from ._mask import allowed as allowed
 from ._mask import attention_allowed as attention_allowed

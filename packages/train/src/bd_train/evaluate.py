@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from bd_core import ConfigError, Fingerprint, reuse_host_memory
+from bd_core import ConfigError, Fingerprint
 from bd_data import CanvasOverflow, JsonlError, TokenizerError
 from bd_models import ModelConfig
 
@@ -123,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         print(f"bd_train.evaluate: cannot read --config: {err}", file=sys.stderr)
         return 2
-    reuse_host_memory()
     try:
         report = evaluate(args.checkpoint, task=args.task, samples=args.samples, n=args.n, config=preset)
     except (StageError, ConfigError, CanvasOverflow, JsonlError, TokenizerError) as err:
