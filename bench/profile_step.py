@@ -36,8 +36,8 @@ from bd_models import (
     model_flops,
     rms_norm,
     rope_angles,
+    tile_needed,
 )
-from bd_models._mask import needed_first, tile_needed
 
 BATCH, CANVAS = 8, 256  # the headline: T = 512 in the 2L layout
 STEPS = 20
@@ -174,7 +174,7 @@ def tile_products(config: ModelConfig, layout) -> dict[str, float]:
         "p_t_do": (2, jax.jit(lambda p, a: jnp.einsum("bqu,bqe->bue", p, a)), (p, a)),
     }
     meta = TokenMeta.from_layout(layout)
-    tiles = config.n_layers * int(jnp.sum(needed_first(tile_needed(meta, meta, q_tile, k_tile))[1]))
+    tiles = config.n_layers * int(jnp.sum(tile_needed(meta, meta, q_tile, k_tile)))
     out: dict[str, float] = {"executed_tiles": float(tiles), "executed_gflop": tiles * 7 * flops / 1e9}
     ideal = 0.0
     for name, (uses, fn, args) in forms.items():
