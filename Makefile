@@ -8,8 +8,9 @@ export UV_LINK_MODE := copy
 export UV_NO_CONFIG := 1
 RUN := $(UV) run --no-sync
 # malloc backs XLA:CPU's per-step buffers with transparent huge pages instead of faulting them in
-# 4 KiB at a time (bd_core._host_memory); a GLIBC_TUNABLES already in the environment is kept.
-export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
+# 4 KiB at a time (bd_core._host_memory): glibc.malloc.hugetlb=1 joins the environment's other
+# tunables, unless the environment sets glibc.malloc.hugetlb itself (=0 turns it off).
+export GLIBC_TUNABLES := $(if $(findstring glibc.malloc.hugetlb=,$(GLIBC_TUNABLES)),$(GLIBC_TUNABLES),$(if $(GLIBC_TUNABLES),$(GLIBC_TUNABLES):)glibc.malloc.hugetlb=1)
 PKG_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml)
 
 .PHONY: sync test lint run bench clean interop

@@ -42,8 +42,9 @@ except ModuleNotFoundError as err:  # a Python outside the workspace venv, e.g. 
 
 from bd_core import with_huge_page_malloc  # noqa: E402  (after the metaflow check above)
 
-# Every step runs in a process Metaflow starts from this one: malloc there backs XLA's per-step
-# buffers with huge pages instead of faulting them in 4 KiB at a time (bd_core._host_memory).
+# Every local step runs in a process Metaflow starts from this one: malloc there backs XLA's
+# per-step buffers with huge pages instead of faulting them in 4 KiB at a time
+# (bd_core._host_memory). A Kubernetes pod needs GLIBC_TUNABLES in its own environment.
 with_huge_page_malloc(os.environ)
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "default.toml")

@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-from bd_core import with_huge_page_malloc
-from bd_core._host_memory import huge_page_malloc_active
+from bd_core import tunable_takes_effect, with_huge_page_malloc
 
 CHILD = """
 import json, resource
@@ -52,10 +51,9 @@ def run_child(huge: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_huge_pages_spare_the_faults_of_a_large_temporary(monkeypatch):
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
-    if not huge_page_malloc_active():
-        pytest.skip("malloc cannot use transparent huge pages here (not glibc >= 2.35, or THP mode `never`)")
+@pytest.mark.skipif(not tunable_takes_effect(), reason="the tunable changes nothing here: not glibc >= 2.35, "
+                    "or the THP mode is not `madvise` (`always` gives huge pages anyway, `never` none)")
+def test_huge_pages_spare_the_faults_of_a_large_temporary():
     default, huge = run_child(False), run_child(True)
     assert not default["active"] and huge["active"]
     pages = 64 * 2**20 / os.sysconf("SC_PAGE_SIZE")

@@ -29,6 +29,8 @@ from ._fingerprint import canonical as canonical
 from ._fingerprint import fingerprint as fingerprint
 from ._fingerprint import require_compatible as require_compatible
 from ._host_memory import huge_page_malloc_active as huge_page_malloc_active
+from ._host_memory import thp_mode as thp_mode
+from ._host_memory import tunable_takes_effect as tunable_takes_effect
 from ._host_memory import with_huge_page_malloc as with_huge_page_malloc
 from ._mask import TokenMeta as TokenMeta
 from ._mask import allowed as allowed

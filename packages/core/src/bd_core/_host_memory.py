@@ -3,16 +3,19 @@
 XLA:CPU allocates each execution's temporaries as one block (678 MiB for the headline train step
 of BENCHMARKS.md) with `posix_memalign`. glibc serves a block that large with a fresh `mmap` and
 unmaps it when the execution ends, so every step faults all of it in again, one 4 KiB page at a
-time: 174k page faults and ~0.27 s of kernel time in a 0.6 s step on a 2-core CPU. glibc's tunable
-`glibc.malloc.hugetlb=1` (glibc >= 2.35) makes malloc ask for transparent huge pages for what it
-maps, so the same block takes a few hundred 2 MiB faults; the process's memory use is unchanged.
+time: 174k page faults and 0.27-0.31 s of kernel time in a 0.6-0.7 s step on a 2-core CPU. glibc's
+tunable `glibc.malloc.hugetlb=1` (glibc >= 2.35) makes malloc ask for transparent huge pages for
+what it maps, so the same block takes a few hundred 2 MiB faults (the headline step's process
+peaked at 0.97x the default's RSS). It matters where the kernel's THP mode is `madvise`, the usual
+default: under `always` malloc's blocks get huge pages anyway, under `never` they cannot.
 
 glibc reads tunables once, when a process starts, so a running process cannot switch them on for
 itself: `with_huge_page_malloc(env)` puts the tunable into an environment for the processes started
-from it. The pipeline's flow does this to `os.environ`, so every Metaflow step process has it, and
-the Makefile exports it for `make run`, `make test` and `make bench`. It does nothing where the
-kernel's THP mode is `never`, under an older glibc, or off glibc (musl, macOS). A tunable for it
-that is already set (e.g. `GLIBC_TUNABLES=glibc.malloc.hugetlb=0` to turn it off) is kept.
+from it. The pipeline's flow does this to `os.environ`, so every step process Metaflow starts on
+this machine has it (a pod on Kubernetes needs it in its own environment), and the Makefile adds it
+for `make run`, `make test` and `make bench`. It does nothing under an older glibc or off glibc
+(musl, macOS). A value for it that is already set (e.g. `GLIBC_TUNABLES=glibc.malloc.hugetlb=0` to
+turn it off) is kept.
 """
 
 from __future__ import annotations
@@ -33,17 +36,40 @@ def with_huge_page_malloc(env: MutableMapping[str, str]) -> None:
         env["GLIBC_TUNABLES"] = ":".join([*tunables, f"{HUGE_PAGE_TUNABLE}=1"])
 
 
-def huge_page_malloc_active() -> bool:
-    """Whether this process started with malloc on transparent huge pages: the tunable set to a
-    nonzero value in its environment, glibc >= 2.35, and the kernel's THP mode not `never`."""
-    values = [t.split("=", 1)[1] for t in os.environ.get("GLIBC_TUNABLES", "").split(":")
-              if t.startswith(f"{HUGE_PAGE_TUNABLE}=")]
-    if not values or values[-1] in ("", "0"):
-        return False
+def thp_mode() -> str:
+    """The kernel's transparent-huge-page mode (`always`, `madvise`, `never`), or "" if unknown."""
+    try:
+        text = _THP_MODE.read_text()
+    except OSError:
+        return ""
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
+
+
+def tunable_takes_effect() -> bool:
+    """Whether `glibc.malloc.hugetlb=1` changes what this machine's malloc does: glibc >= 2.35 and
+    the THP mode `madvise`."""
     try:
         name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # pyright: ignore[reportOptionalMemberAccess]
         major, minor = (int(part) for part in version.split(".")[:2])
-        mode = _THP_MODE.read_text()
     except (AttributeError, ValueError, OSError):
         return False
-    return name == "glibc" and (major, minor) >= (2, 35) and "[never]" not in mode
+    return name == "glibc" and (major, minor) >= (2, 35) and thp_mode() == "madvise"
+
+
+def _started_with_tunable() -> bool:
+    """Whether this process started with `glibc.malloc.hugetlb=1` (its environment at exec, which
+    glibc read; `os.environ` may have changed since)."""
+    try:
+        start = Path("/proc/self/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    tunables = [v.decode(errors="replace") for v in start if v.startswith(b"GLIBC_TUNABLES=")]
+    values = [t.split("=", 1)[1] for t in (tunables[-1].split("=", 1)[1].split(":") if tunables else [])
+              if t.startswith(f"{HUGE_PAGE_TUNABLE}=")]
+    return bool(values) and values[-1] == "1"  # other values ask for hugetlbfs pages, not THP
+
+
+def huge_page_malloc_active() -> bool:
+    """Whether this process's malloc backs its large blocks with transparent huge pages: the THP
+    mode is `always`, or the tunable takes effect here and the process started with it."""
+    return thp_mode() == "always" or (tunable_takes_effect() and _started_with_tunable())
