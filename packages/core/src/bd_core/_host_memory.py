@@ -26,14 +26,24 @@ from pathlib import Path
 
 HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb"
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# The tunables this process started with, as far as Python can tell: taken when bd_core is imported,
+# before `with_huge_page_malloc(os.environ)` can change them. (/proc/self/environ is no witness:
+# glibc rewrites its copy of GLIBC_TUNABLES there while parsing it.)
+_START_TUNABLES = os.environ.get("GLIBC_TUNABLES", "")
+
+
+def _hugetlb_value(glibc_tunables: str) -> str | None:
+    """The value `GLIBC_TUNABLES` gives `glibc.malloc.hugetlb` (the last one wins, as in glibc)."""
+    values = [t.split("=", 1)[1] for t in glibc_tunables.split(":") if t.startswith(f"{HUGE_PAGE_TUNABLE}=")]
+    return values[-1] if values else None
 
 
 def with_huge_page_malloc(env: MutableMapping[str, str]) -> None:
     """Add `glibc.malloc.hugetlb=1` to `env`'s `GLIBC_TUNABLES` (keeping its other tunables) unless
     it sets that tunable already. Processes started with `env` get it; this one does not."""
-    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
-    if not any(t.split("=")[0] == HUGE_PAGE_TUNABLE for t in tunables):
-        env["GLIBC_TUNABLES"] = ":".join([*tunables, f"{HUGE_PAGE_TUNABLE}=1"])
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if _hugetlb_value(tunables) is None:
+        env["GLIBC_TUNABLES"] = f"{tunables}:{HUGE_PAGE_TUNABLE}=1" if tunables else f"{HUGE_PAGE_TUNABLE}=1"
 
 
 def thp_mode() -> str:
@@ -56,20 +66,10 @@ def tunable_takes_effect() -> bool:
     return name == "glibc" and (major, minor) >= (2, 35) and thp_mode() == "madvise"
 
 
-def _started_with_tunable() -> bool:
-    """Whether this process started with `glibc.malloc.hugetlb=1` (its environment at exec, which
-    glibc read; `os.environ` may have changed since)."""
-    try:
-        start = Path("/proc/self/environ").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    tunables = [v.decode(errors="replace") for v in start if v.startswith(b"GLIBC_TUNABLES=")]
-    values = [t.split("=", 1)[1] for t in (tunables[-1].split("=", 1)[1].split(":") if tunables else [])
-              if t.startswith(f"{HUGE_PAGE_TUNABLE}=")]
-    return bool(values) and values[-1] == "1"  # other values ask for hugetlbfs pages, not THP
 
 
 def huge_page_malloc_active() -> bool:
     """Whether this process's malloc backs its large blocks with transparent huge pages: the THP
     mode is `always`, or the tunable takes effect here and the process started with it."""
-    return thp_mode() == "always" or (tunable_takes_effect() and _started_with_tunable())
+    # Only 1 asks for transparent huge pages; other values ask for reserved hugetlbfs pages.
+    return thp_mode() == "always" or (tunable_takes_effect() and _hugetlb_value(_START_TUNABLES) == "1")
