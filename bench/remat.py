@@ -38,7 +38,8 @@ def write_markdown(results: dict[str, dict[str, float]]) -> None:
     rows = [
         f"Remat of the layer scan: d_model {CONFIG.d_model}, {CONFIG.n_layers} layers, batch {BATCH}, T = "
         f"{2 * CANVAS}, float32, AdamW; peak = compiled `memory_analysis()` arguments + outputs + temporaries "
-        f"- donated; gradients are bit-identical under every policy (packages/models/tests/test_remat.py).",
+        f"- donated. The loss is bit-identical under every policy and the gradients agree to within 4 ulp of each "
+        f"leaf's largest entry (packages/models/tests/test_remat.py). `elementwise` is the default.",
         "",
         "| remat | peak | temporaries | step time |", "|---|---|---|---|",
     ]
@@ -50,7 +51,7 @@ def write_markdown(results: dict[str, dict[str, float]]) -> None:
 
 def main() -> None:
     results = {}
-    for policy in REMAT_POLICIES:
+    for policy in ("none", *(p for p in REMAT_POLICIES if p != "none")):
         results[policy] = run(policy, steps=3)
         r = results[policy]
         print(f"remat={policy}: peak {r['peak_mb']:.0f} MiB, temp {r['temp_mb']:.0f} MiB, {r['step_s']:.2f} s/step")

@@ -103,7 +103,7 @@ def run(config: ModelConfig, length: int, steps: int) -> dict[str, float]:
 def write_markdown(results: dict[str, float], lengths) -> None:
     rows = [
         "Headline: vocab 260, d_model 256, 4 layers, 4 heads, SwiGLU d_ff 1024, block 4, batch 8, 2L layout of "
-        "a 256-token all-completion canvas (T = 512), float32, AdamW.",
+        "a 256-token all-completion canvas (T = 512), float32, AdamW, remat `elementwise` (the default).",
         "",
         "| metric | value |", "|---|---|",
         f"| step time | {results['step_s']:.3f} s |",

@@ -19,7 +19,7 @@ from bd_core import ConfigError, config_error
 
 ATTENTION_IMPLS = ("dense", "blocked", "shard_map", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "save_matmuls")
+REMAT_POLICIES = ("elementwise", "none", "full", "save_matmuls")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
@@ -51,8 +51,11 @@ class ModelConfig:
     shard, batch over (`data`, `fsdp`), heads over `model`, on the mesh set with `jax.set_mesh`)
     or `pallas` (`blocked` as Pallas kernels, forward and backward: Triton on GPU, interpret mode
     on CPU, which is slow and meant for tests).
-    `remat` picks what the backward pass recomputes per layer: `none` (keep every activation),
-    `full` (keep only each layer's input) or `save_matmuls` (keep the matmul outputs).
+    `remat` picks what the backward pass recomputes per layer: `elementwise` (the default: keep the
+    matmul outputs and attention's, recompute the RMSNorms, the per-head q/k norms, RoPE and the
+    MLP's gated activation from them, which costs less than saving and reloading their outputs),
+    `none` (keep every activation), `full` (keep only each layer's input) or `save_matmuls` (keep
+    the matmul outputs; recompute attention too).
     `head_dim` (0: d_model / n_heads) may differ from d_model / n_heads, as in Qwen3. `qk_norm`
     adds a per-head RMSNorm on queries and keys before RoPE (Qwen3, SDAR); `qkv_bias` adds biases to
     the q/k/v projections (Qwen2); `rope_scaling` applies Llama-3 frequency scaling; `activation`
@@ -73,7 +76,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     q_tile: int = 64
     k_tile: int = 64
-    remat: str = "none"
+    remat: str = "elementwise"
     head_dim: int = 0  # 0: d_model // n_heads
     qk_norm: bool = False
     qkv_bias: bool = False

@@ -6,6 +6,12 @@ arrays.
 
 A layer's arrays are unbatched here; the model stacks `n_layers` of them on a leading axis and
 scans. Every matmul runs on 2-D `[B·T, ·]` operands, the fastest form on CPU (ENVIRONMENT.md).
+
+Under `remat="elementwise"` (the default) the elementwise stretches between matmuls (RMSNorm, the
+q/k norms, RoPE, the gated activation) run under `jax.checkpoint`: the backward pass keeps their
+inputs, which it keeps anyway as matmul outputs or the residual stream, and recomputes the rest. A
+scanned layer writes every saved activation into a per-layer stack and reads it back; for the
+headline training step that traffic cost more than the recomputation (BENCHMARKS.md, remat).
 Shape letters: see bd_core (B, T, D, H = K·G, K, G, E, F); `BT` is the flattened B·T axis.
 """
 
@@ -56,6 +62,12 @@ def apply_rope(x_BxTxHxE, cos, sin) -> Array:
     x1, x2 = jnp.split(x_BxTxHxE.astype(jnp.float32), 2, axis=-1)
     cos, sin = cos[:, :, None], sin[:, :, None]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxTxHxE.dtype)
+
+
+def _recompute(fn, config: ModelConfig):
+    """`fn` under `jax.checkpoint` when the config recomputes elementwise stretches; `fn` otherwise.
+    (Inside the layer scan the CSE barrier only costs, as in `remat_layer`.)"""
+    return jax.checkpoint(fn, prevent_cse=False) if config.remat == "elementwise" else fn
 
 
 def _matmul(x, w, dtype, bias=None) -> Array:
@@ -115,16 +127,24 @@ class DecoderLayer(eqx.Module):
         """q `[B, T, K, G, E]` (pre-scaled by 1/sqrt(E)), k and v `[B, T, K, E]`, RoPE applied."""
         b, t, d = x_BxTxD.shape
         kv, g, e = config.n_kv_heads, config.q_per_kv, config.head_dim
-        dtype = config.compute_jnp_dtype
-        h_BTxD = rms_norm(x_BxTxD, self.attn_norm, config.norm_eps, dtype).reshape(b * t, d)
-        q = _matmul(h_BTxD, self.wq, dtype, self.bq).reshape(b, t, kv * g, e)
-        k = _matmul(h_BTxD, self.wk, dtype, self.bk).reshape(b, t, kv, e)
-        v = _matmul(h_BTxD, self.wv, dtype, self.bv).reshape(b, t, kv, e)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = rms_norm(q, self.q_norm, config.norm_eps, dtype)
-            k = rms_norm(k, self.k_norm, config.norm_eps, dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q = (q * jnp.asarray(e ** -0.5, dtype)).reshape(b, t, kv, g, e)
+        dtype, eps = config.compute_jnp_dtype, config.norm_eps
+
+        # Two stretches to recompute: the norm before the projections (the matmuls' backward needs
+        # only the normed input, so they are not rerun), and the q/k norms and RoPE after them.
+        def project(layer: DecoderLayer, x_BxTxD):
+            h_BTxD = rms_norm(x_BxTxD, layer.attn_norm, eps, dtype).reshape(b * t, d)
+            return (_matmul(h_BTxD, layer.wq, dtype, layer.bq).reshape(b, t, kv * g, e),
+                    _matmul(h_BTxD, layer.wk, dtype, layer.bk).reshape(b, t, kv, e),
+                    _matmul(h_BTxD, layer.wv, dtype, layer.bv).reshape(b, t, kv, e))
+
+        def position(q_norm, k_norm, q, k, cos, sin):
+            if q_norm is not None and k_norm is not None:
+                q, k = rms_norm(q, q_norm, eps, dtype), rms_norm(k, k_norm, eps, dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            return (q * jnp.asarray(e ** -0.5, dtype)).reshape(b, t, kv, g, e), k
+
+        q, k, v = _recompute(project, config)(self, x_BxTxD)
+        q, k = _recompute(position, config)(self.q_norm, self.k_norm, q, k, cos, sin)
         return q, k, v
 
     def finish(self, x_BxTxD, attn_BxTxKxGxE, config: ModelConfig) -> Array:
@@ -132,8 +152,15 @@ class DecoderLayer(eqx.Module):
         b, t, d = x_BxTxD.shape
         dtype = config.compute_jnp_dtype
         x_BTxD = x_BxTxD.reshape(b * t, d) + _matmul(attn_BxTxKxGxE.reshape(b * t, -1).astype(dtype), self.wo, dtype)
-        h_BTxD = rms_norm(x_BTxD, self.mlp_norm, config.norm_eps, dtype)
-        gate_BTxF = _matmul(h_BTxD, self.w_gate, dtype)
-        up_BTxF = _matmul(h_BTxD, self.w_up, dtype)
-        x_BTxD = x_BTxD + _matmul(_ACTIVATIONS[config.activation](gate_BTxF) * up_BTxF, self.w_down, dtype)
+
+        # Recomputed stretches (see `qkv`): the norm before gate/up, the activation before down.
+        def gate_up(norm, w_gate, w_up, x_BTxD):
+            h_BTxD = rms_norm(x_BTxD, norm, config.norm_eps, dtype)
+            return _matmul(h_BTxD, w_gate, dtype), _matmul(h_BTxD, w_up, dtype)
+
+        def down(w_down, gate_BTxF, up_BTxF):
+            return _matmul(_ACTIVATIONS[config.activation](gate_BTxF) * up_BTxF, w_down, dtype)
+
+        gate_BTxF, up_BTxF = _recompute(gate_up, config)(self.mlp_norm, self.w_gate, self.w_up, x_BTxD)
+        x_BTxD = x_BTxD + _recompute(down, config)(self.w_down, gate_BTxF, up_BTxF)
         return x_BTxD.reshape(b, t, d)

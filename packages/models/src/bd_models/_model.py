@@ -23,8 +23,9 @@ from ._layers import DecoderLayer, rms_norm, rope_angles
 
 def remat_layer(layer_step, policy: str):
     """`layer_step` under the config's rematerialization policy. The layer matmuls are 2-D (no
-    batch dims), so `save_matmuls` keeps exactly them and recomputes norms, RoPE and attention."""
-    if policy == "none":
+    batch dims), so `save_matmuls` keeps exactly them and recomputes norms, RoPE and attention.
+    (`elementwise` checkpoints stretches inside the layer instead: `DecoderLayer`.)"""
+    if policy in ("none", "elementwise"):
         return layer_step
     saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if policy == "save_matmuls" else None
     # Inside a scan the CSE barrier only costs: the scan body already stops XLA from merging.

@@ -111,7 +111,8 @@ class ModelSection:
     attention: Literal["dense", "blocked", "shard_map", "pallas"] = "blocked"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    remat: Literal["none", "full", "save_matmuls"] = "none"  # what the backward pass recomputes per layer
+    # What the backward pass recomputes per layer (bd_models.ModelConfig.remat).
+    remat: Literal["elementwise", "none", "full", "save_matmuls"] = "elementwise"
     checkpoint: str | None = None  # start from this SFT checkpoint folder instead of training
     pretrained: str | None = None  # SFT starts from this Hugging Face checkpoint folder
     lora: LoRASection | None = None  # train LoRA adapters instead of every weight (in lora.stages)
