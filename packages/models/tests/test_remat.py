@@ -15,16 +15,18 @@ def _loss(model, layout):
     return jnp.sum(jnp.tanh(model(layout)) * layout.valid[..., None])
 
 
-def test_gradients_are_the_same_under_every_policy(layouts):
+@pytest.mark.parametrize("config", [CONFIG, CONFIG.replace(qk_norm=True, qkv_bias=True, activation="gelu_tanh")],
+                         ids=["plain", "qk_norm_bias_gelu"])
+def test_gradients_are_the_same_under_every_policy(layouts, config):
     """The loss is bit-identical. The gradients agree to the last bits of the largest entry: XLA
     may sum a reduction over tokens (e.g. a norm scale's gradient) in another order in the
     rematerialized program. Measured on an AMD EPYC host: only `attn_norm` differed, by one ulp
     of its largest entry; on the hosts of earlier runs every leaf was bit-identical."""
     layout = layouts(0, batch=2, prompt_blocks=1, completion_blocks=2).layout
     grad = jax.jit(jax.value_and_grad(_loss))
-    loss, grads = grad(BlockDiffusionLM(CONFIG.replace(remat="none"), key=jax.random.key(0)), layout)
+    loss, grads = grad(BlockDiffusionLM(config.replace(remat="none"), key=jax.random.key(0)), layout)
     for policy in ("elementwise", "full", "save_matmuls"):
-        remat_loss, remat_grads = grad(BlockDiffusionLM(CONFIG.replace(remat=policy), key=jax.random.key(0)), layout)
+        remat_loss, remat_grads = grad(BlockDiffusionLM(config.replace(remat=policy), key=jax.random.key(0)), layout)
         assert remat_loss == loss, policy
         for got, want in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(grads)):
             ulp = np.finfo(np.float32).eps * float(jnp.max(jnp.abs(want)))
