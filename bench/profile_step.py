@@ -212,7 +212,7 @@ def main() -> None:
 
     lines = [
         "Headline step (vocab 260, d 256, 4 layers, 4 heads, d_ff 1024, block 4, batch 8, T = 512, float32, "
-        "AdamW), each part jitted alone as forward + backward at the step's shapes, median of "
+        "AdamW, remat `elementwise`), each part jitted alone as forward + backward at the step's shapes, median of "
         f"{STEPS}; repeated parts times the layer count. GFLOP are the part's useful FLOPs (`model_flops`' terms, "
         "3x forward; attention over the entries the mask allows); their rate is against the float32 matmul peak "
         f"measured in the same process ({peak / 1e9:.0f} GFLOP/s).",
