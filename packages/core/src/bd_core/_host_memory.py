@@ -66,8 +66,6 @@ def tunable_takes_effect() -> bool:
     return name == "glibc" and (major, minor) >= (2, 35) and thp_mode() == "madvise"
 
 
-
-
 def huge_page_malloc_active() -> bool:
     """Whether this process's malloc backs its large blocks with transparent huge pages: the THP
     mode is `always`, or the tunable takes effect here and the process started with it."""
