@@ -23,8 +23,9 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
+from _peak import matmul_peak
 from _report import write_results, write_section
-from train_step import HEADLINE, make_step, matmul_peak, median_time, sft_batch
+from train_step import HEADLINE, make_step, median_time, sft_batch
 
 from bd_core import TokenMeta
 from bd_models import (

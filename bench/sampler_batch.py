@@ -9,19 +9,19 @@ Executed FLOPs are counted from what the sampler runs, not from what is useful: 
 step runs the model on the block's positions of every row (the first step of a block also the
 previous block's clean positions) against the whole fixed-size cache, masked entries included;
 matmuls are 2 FLOPs per multiply-add, attention is QK^T and PV. The rate is against the float32
-matmul peak measured in the same process.
+matmul peak measured just before each timed call (`_peak.interleaved`: the best of three 2048²
+products), the median over the timed calls.
 
 Writes bench/results/sampler_batch.json and its BENCHMARKS.md section.
 """
 
 from __future__ import annotations
 
-import time
-
 import jax
 import numpy as np
+from _peak import interleaved, matmul_timer
 from _report import write_results, write_section
-from train_step import HEADLINE, matmul_peak
+from train_step import HEADLINE
 
 from bd_data import ByteTokenizer
 from bd_models import BlockDiffusionLM, ModelConfig, SamplerConfig, SamplingDistribution, model_flops, sample
@@ -49,18 +49,20 @@ def executed_flops(config: ModelConfig, batch: int) -> float:
 
 
 def main() -> None:
+    matmul_timer()  # compiled before compiles are counted
     jax.monitoring.register_event_duration_secs_listener(_count_compiles)
-    peak, _ = matmul_peak()
     model = BlockDiffusionLM(HEADLINE, key=jax.random.key(0))
-    results: dict[str, float] = {"peak_gflops": peak / 1e9}
+    results: dict[str, float] = {}
     lines = [
         f"Headline model (vocab 260, d 256, 4 layers, block 4), prompt {PROMPT}, {NEW} new tokens, one token per "
         "step with the KV cache, float32; median of 2 timed calls after one warm-up call. Executed FLOP/s count "
-        "every position each step runs against the whole cache (masked entries included); the rate is against "
-        f"the float32 matmul peak measured in the same process ({peak / 1e9:.0f} GFLOP/s).",
+        "every position each step runs against the whole cache (masked entries included); `of peak` is the "
+        "median over the timed calls of each call's rate over the float32 matmul peak measured just before it "
+        "(the best of three 2048² products).",
         "",
-        "| batch | tokens/s | s per call | executed GFLOP/s | of peak | compiles, warm-up | compiles, 2 timed calls |",
-        "|---|---|---|---|---|---|---|",
+        "| batch | tokens/s | s per call | executed GFLOP/s | matmul peak beside it | of peak | compiles, warm-up "
+        "| compiles, 2 timed calls |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     rng = np.random.default_rng(0)
     for batch in BATCHES:
@@ -71,19 +73,23 @@ def main() -> None:
         before = len(COMPILES)
         jax.block_until_ready(sample(model, prompts, configs[0], key=jax.random.key(0)))
         warmup, before = len(COMPILES) - before, len(COMPILES)
-        times = []
-        for i, config in enumerate(configs[1:], start=1):
-            start = time.perf_counter()
+        timed = iter(enumerate(configs[1:], start=1))
+
+        def call(prompts=prompts, timed=timed) -> None:
+            i, config = next(timed)
             jax.block_until_ready(sample(model, prompts, config, key=jax.random.key(i)))
-            times.append(time.perf_counter() - start)
-        seconds, compiles = float(np.median(times)), len(COMPILES) - before
-        rate = executed_flops(HEADLINE, batch) / seconds
+
+        paired = interleaved(call, executed_flops(HEADLINE, batch), rounds=len(configs) - 1)
+        seconds, compiles = paired.median_seconds, len(COMPILES) - before
+        rate, peak = executed_flops(HEADLINE, batch) / seconds, float(np.median(paired.peaks))
         results.update({f"b{batch}_s": seconds, f"b{batch}_tokens_per_s": batch * NEW / seconds,
-                        f"b{batch}_gflops": rate / 1e9, f"b{batch}_of_peak": rate / peak,
+                        f"b{batch}_gflops": rate / 1e9, f"b{batch}_peak_gflops": peak / 1e9,
+                        f"b{batch}_of_peak": paired.ratio,
                         f"b{batch}_compiles": float(compiles), f"b{batch}_warmup_compiles": float(warmup)})
-        print(f"batch {batch}: {batch * NEW / seconds:,.0f} tokens/s, {rate / 1e9:.1f} GFLOP/s, {compiles} compiles")
-        lines.append(f"| {batch} | {batch * NEW / seconds:,.0f} | {seconds:.2f} | {rate / 1e9:.1f} | {rate / peak:.0%} "
-                     f"| {warmup} | {compiles} |")
+        print(f"batch {batch}: {batch * NEW / seconds:,.0f} tokens/s, {rate / 1e9:.1f} GFLOP/s "
+              f"({paired.ratio:.0%} of peak), {compiles} compiles")
+        lines.append(f"| {batch} | {batch * NEW / seconds:,.0f} | {seconds:.2f} | {rate / 1e9:.1f} | "
+                     f"{peak / 1e9:.0f} GFLOP/s | {paired.ratio:.0%} | {warmup} | {compiles} |")
     write_results("sampler_batch", results)
     write_section("sampler_batch", "## Sampler throughput vs batch (`bench/sampler_batch.py`)\n\n" + "\n".join(lines))
 
