@@ -57,6 +57,12 @@ def rope_angles(positions_BxT, config: ModelConfig) -> tuple[Array, Array]:
     return jnp.cos(angles), jnp.sin(angles)
 
 
+def rope_table(length: int, config: ModelConfig) -> tuple[Array, Array]:
+    """cos, sin `[length, E/2]` of positions 0..length-1, as `rope_angles` computes them."""
+    cos, sin = rope_angles(jnp.arange(length, dtype=jnp.int32)[None], config)
+    return cos[0], sin[0]
+
+
 def apply_rope(x_BxTxHxE, cos, sin) -> Array:
     """Rotate-half RoPE on a head axis (H query heads or K kv heads); `cos`, `sin` `[B, T, E/2]`."""
     x1, x2 = jnp.split(x_BxTxHxE.astype(jnp.float32), 2, axis=-1)

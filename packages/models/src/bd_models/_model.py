@@ -18,7 +18,7 @@ from bd_core import CLEAN_VIEW, TokenMeta, ViewLayout
 from ._attention import attend, cached_attention
 from ._cache import KVCache
 from ._config import ModelConfig
-from ._layers import DecoderLayer, rms_norm, rope_angles
+from ._layers import DecoderLayer, rms_norm, rope_angles, rope_table
 
 
 def remat_layer(layer_step, policy: str):
@@ -103,8 +103,8 @@ class BlockDiffusionLM(eqx.Module):
     def init_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty cache (every slot invalid) for canvases of up to `max_len` positions."""
         config = self.config
-        return KVCache.empty(config.n_layers, batch_size, max_len, config.n_kv_heads, config.head_dim,
-                             config.compute_jnp_dtype)
+        return KVCache.empty(config.n_layers, batch_size, config.n_kv_heads, config.compute_jnp_dtype,
+                             rope_table(max_len, config))
 
     def layer_list(self) -> tuple[DecoderLayer, ...]:
         """The stacked layers as one module each, what `forward_cached` loops over. A sampler splits
@@ -122,7 +122,7 @@ class BlockDiffusionLM(eqx.Module):
         caller that runs many steps (by default split here).
         """
         config = self.config
-        cos, sin = rope_angles(chunk.positions, config)
+        cos, sin = cache.rope_angles(chunk.positions)
         chunk_meta = TokenMeta.from_layout(chunk)
         cache_meta = cache.meta()
 
