@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bd_core import ViewLayout
-from bd_models import BlockDiffusionLM, ModelConfig
+from bd_models import BlockDiffusionLM, ModelConfig, RopeScaling, rope_angles
 
 CONFIG = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, block_size=4,
                      q_tile=8, k_tile=8)
@@ -70,3 +70,18 @@ def test_empty_cache_and_commit_rules():
     # under jit (no host callback, so the program can be cached on disk) it is not written
     _, after = jax.jit(lambda m, c: m.forward_cached(noisy, c, commit=jnp.ones((2, 4), bool)))(model, cache)
     assert not bool(after.valid.any())
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_the_cache_rope_angles_are_the_computed_ones_bit_for_bit(scaled):
+    """A cached step looks its RoPE angles up in the cache's table instead of computing them: the
+    table must hold exactly what `rope_angles` computes, inside jit as the sampler runs it."""
+    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=16) if scaled else None
+    config = CONFIG.replace(rope_theta=5e5, rope_scaling=scaling)
+    model = BlockDiffusionLM(config, key=jax.random.key(0))
+    positions = jnp.asarray(np.random.default_rng(0).integers(0, 96, (3, 20)), jnp.int32)
+    looked_up = jax.jit(lambda p: model.init_cache(3, 96).rope_angles(p))(positions)
+    computed = jax.jit(lambda p: rope_angles(p, config))(positions)
+    for a, b in zip(looked_up, computed, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
