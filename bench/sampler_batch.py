@@ -79,9 +79,10 @@ def main() -> None:
             i, config = next(timed)
             jax.block_until_ready(sample(model, prompts, config, key=jax.random.key(i)))
 
-        paired = interleaved(call, executed_flops(HEADLINE, batch), rounds=len(configs) - 1)
+        flops = executed_flops(HEADLINE, batch)
+        paired = interleaved(call, flops, rounds=len(configs) - 1)
         seconds, compiles = paired.median_seconds, len(COMPILES) - before
-        rate, peak = executed_flops(HEADLINE, batch) / seconds, float(np.median(paired.peaks))
+        rate, peak = flops / seconds, float(np.median(paired.peaks))
         results.update({f"b{batch}_s": seconds, f"b{batch}_tokens_per_s": batch * NEW / seconds,
                         f"b{batch}_gflops": rate / 1e9, f"b{batch}_peak_gflops": peak / 1e9,
                         f"b{batch}_of_peak": paired.ratio,
