@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bd_models import (
     BlockDiffusionLM,
@@ -22,6 +24,7 @@ from bd_models import (
     sample,
     sampling_logprobs,
 )
+from bd_models._sampling_dist import first_argmax, gumbel_max
 
 VOCAB, MASK, PAD, BLOCK = 32, 31, 30, 4
 STOPS = (3, 5, 7)  # frequent enough under a random model that rows stop mid-generation
@@ -155,6 +158,40 @@ def test_greedy_and_confidence_rules():
     np.testing.assert_allclose(confidence(logp, tokens, "margin"), top2[:, 0] - top2[:, 1], rtol=1e-4)
     np.testing.assert_allclose(entropy(logp), -np.sum(p * np.log(p), -1), rtol=1e-5)
     np.testing.assert_allclose(confidence(logp, tokens, "entropy"), np.exp(-np.sum(-p * np.log(p), -1)), rtol=1e-5)
+
+
+# few distinct values, so rows tie often; -inf and NaN included
+_ENTRIES = st.sampled_from([0.0, 1.0, 2.0, -1.5, float("-inf"), float("inf"), float("nan")])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 4).flatmap(lambda rows: st.integers(1, 9).flatmap(
+    lambda v: st.lists(_ENTRIES, min_size=rows * v, max_size=rows * v).map(
+        lambda xs: np.asarray(xs, np.float32).reshape(rows, v)))))
+def test_first_argmax_is_argmax(x):
+    """The first maximum, the first NaN where there is one: argmax's ties and NaN rule, eager and
+    under jit."""
+    want = np.asarray(jnp.argmax(x, axis=-1))
+    np.testing.assert_array_equal(first_argmax(jnp.asarray(x)), want)
+    np.testing.assert_array_equal(jax.jit(first_argmax)(x), want)
+
+
+def test_gumbel_max_draws_what_categorical_draws():
+    """The same token as `jax.random.categorical` for every key, inside a jitted loop as the sampler
+    draws (where XLA fuses the noise into the reductions), banned ids included."""
+    logits = jax.random.normal(jax.random.PRNGKey(3), (8, 4, VOCAB)) * 3.0
+    logp = sampling_logprobs(logits, temperature=0.7, banned_ids=(MASK, PAD))
+
+    def draws(draw):
+        def body(i, out):
+            key = jax.random.fold_in(jax.random.PRNGKey(4), i)
+            return out.at[i].set(draw(key, logp + 0.01 * i.astype(jnp.float32)).astype(jnp.int32))
+        return jax.jit(lambda: jax.lax.fori_loop(0, 64, body, jnp.zeros((64, 8, 4), jnp.int32)))()
+
+    got = draws(gumbel_max)
+    np.testing.assert_array_equal(got, draws(lambda key, lp: jax.random.categorical(key, lp, axis=-1)))
+    assert not np.isin(np.asarray(got), (MASK, PAD)).any()
+    assert len(np.unique(np.asarray(got))) > VOCAB // 2  # draws, not one argmax
 
 
 def check_rollout(out, cfg: SamplerConfig, prefill: int):

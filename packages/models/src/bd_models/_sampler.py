@@ -18,7 +18,7 @@ from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray
 from bd_core import CLEAN_VIEW, DiffusionTrace, RolloutOutput, ViewLayout, config_error
 
 from ._sampler_config import SamplerConfig
-from ._sampling_dist import confidence, token_logprob
+from ._sampling_dist import confidence, gumbel_max, token_logprob
 
 NOISY_VIEW = 1
 
@@ -144,7 +144,7 @@ def _generate(model, prompt_tokens, prompt_valid, key, config: SamplerConfig):
         step_key = jax.random.fold_in(jax.random.fold_in(key, j), state.step)
         distribution = config.distribution
         logp = distribution.logprobs(logits)
-        tokens = jax.random.categorical(step_key, logp, axis=-1).astype(jnp.int32)
+        tokens = gumbel_max(step_key, logp)
         # one rule: confidence is the model's own (unfiltered, temperature-1) belief in the sampled
         # token, so temperature, top-k and top-p change what is sampled, never how much commits
         conf = confidence(distribution.unfiltered().logprobs(logits), tokens, config.confidence)

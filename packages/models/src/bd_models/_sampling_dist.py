@@ -18,7 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from bd_core import config_error
 
@@ -123,7 +123,7 @@ def sampling_logprobs(
         banned = jnp.zeros((vocab,), bool).at[jnp.asarray(tuple(banned_ids), jnp.int32)].set(True)
         x = jnp.where(banned, NEG_INF, x)
     if isinstance(temperature, (int, float)) and temperature == 0:
-        best = jnp.argmax(x, axis=-1)
+        best = first_argmax(x)
         return jnp.where(jnp.arange(vocab) == best[..., None], 0.0, NEG_INF).astype(jnp.float32)
     x = x / jnp.asarray(temperature, jnp.float32)
     if top_k is not None:
@@ -143,6 +143,22 @@ def sampling_logprobs(
         floor = jnp.take_along_axis(sorted_probs, kept - 1, axis=-1)
         logp = jax.nn.log_softmax(jnp.where((probs >= floor) | (top_p >= 1), logp, NEG_INF), axis=-1)
     return logp
+
+
+def first_argmax(x: Float[Array, "*batch V"]) -> Int[Array, "*batch"]:
+    """`jnp.argmax` over the last axis (the first maximum; the first NaN where there is one), as a
+    max and then a min over the indices that reach it. XLA:CPU runs argmax's paired (value, index)
+    reduction element by element, and inside a sampling loop it fuses the whole Gumbel transform
+    (two logs per entry) into it; two plain reductions vectorize (BENCHMARKS.md, sampler)."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where((x == top) | jnp.isnan(x), index, x.shape[-1]), axis=-1)
+
+
+def gumbel_max(key: PRNGKeyArray, logp: Float[Array, "*batch V"]) -> Int[Array, "*batch"]:
+    """A draw from `softmax(logp)`: exactly `jax.random.categorical(key, logp)` (the same Gumbel
+    noise and the same first argmax), computed with `first_argmax`."""
+    return first_argmax(jax.random.gumbel(key, logp.shape, logp.dtype) + logp)
 
 
 def token_logprob(logp: Float[Array, "*batch V"], tokens: Int[Array, "*batch"]) -> Float[Array, "*batch"]:
