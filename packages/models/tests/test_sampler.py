@@ -1,5 +1,6 @@
 """The sampler: config validation, the shared sampling distribution against a numpy reference,
-determinism and diversity, compile-once, KV cache == full recompute, stops, commit schedules."""
+the draw against `jax.random.categorical`, determinism and diversity, compile-once, KV cache ==
+full recompute, stops, commit schedules."""
 
 from __future__ import annotations
 
