@@ -6,6 +6,7 @@ Writes bench/results/sampling.json and its BENCHMARKS.md section.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import Any
@@ -36,12 +37,16 @@ TOK = ByteTokenizer()
 BATCH, PROMPT, NEW = 8, 16, 256
 
 
-def timed(fn):
-    """Seconds of one call after a warm-up call (compilation excluded), and its result."""
+def timed(fn, runs: int = 1):
+    """The median seconds of `runs` calls after a warm-up call (compilation excluded), and the
+    last call's result."""
     jax.block_until_ready(fn())
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn())
-    return time.perf_counter() - start, out
+    seconds = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn())
+        seconds.append(time.perf_counter() - start)
+    return float(np.median(seconds)), out
 
 
 def speed(results: dict) -> None:
@@ -142,18 +147,13 @@ def parallel_decoding(results: dict) -> list[tuple[str, float, float, float]]:
     for name, extra in settings:
         cfg = SamplerConfig(block_size=4, max_new_tokens=8, mask_id=TOK.mask_id, pad_id=TOK.pad_id,
                             distribution=SamplingDistribution(temperature=0.0), stop_ids=(TOK.eos_id,), **extra)
-        out = jax.block_until_ready(sample(model, (prompt, valid), cfg, key=jax.random.key(4)))  # compiles
-        seconds = []
-        for _ in range(3):  # the same call again: the same tokens, now without compiling
-            start = time.perf_counter()
-            jax.block_until_ready(sample(model, (prompt, valid), cfg, key=jax.random.key(4)))
-            seconds.append(time.perf_counter() - start)
+        seconds, out = timed(functools.partial(sample, model, (prompt, valid), cfg, key=jax.random.key(4)), runs=3)
         texts = decode_completions(TOK, out, stop_ids=cfg.stop_ids)
         accuracy = float(np.mean([task.is_correct(e, t) for e, t in zip(examples, texts)]))
         generated = np.asarray(out.completion_valid).sum(1)
         assert out.trace is not None  # sample() always records the denoising trace
         nfe_per_token = float(np.mean(np.asarray(out.trace.step_valid).sum(1) / generated))
-        tokens_per_s = float(generated.sum() / np.median(seconds))
+        tokens_per_s = float(generated.sum() / seconds)
         results[f"nfe_per_token_{name}"], results[f"accuracy_{name}"] = nfe_per_token, accuracy
         results[f"tokens_per_s_{name}"] = tokens_per_s
         rows.append((name, nfe_per_token, tokens_per_s, accuracy))

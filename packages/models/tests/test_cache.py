@@ -70,6 +70,11 @@ def test_empty_cache_and_commit_rules():
     # under jit (no host callback, so the program can be cached on disk) it is not written
     _, after = jax.jit(lambda m, c: m.forward_cached(noisy, c, commit=jnp.ones((2, 4), bool)))(model, cache)
     assert not bool(after.valid.any())
+    # a position past the cache has no RoPE angles in it: an eager call says so
+    beyond = ViewLayout.create(np.zeros((2, 4), int), np.tile(np.arange(10, 14), (2, 1)), np.full((2, 4), 2),
+                               np.zeros((2, 4), int), np.ones((2, 4), bool))
+    with pytest.raises(ValueError, match=r"outside the cache's \[0, 12\)"):
+        model.forward_cached(beyond, cache)
 
 
 @pytest.mark.parametrize("scaled", [False, True])

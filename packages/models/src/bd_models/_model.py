@@ -32,6 +32,16 @@ def remat_layer(layer_step, policy: str):
     return jax.checkpoint(layer_step, policy=saveable, prevent_cse=False)
 
 
+def _any_where_concrete(flags) -> bool:
+    """Whether any flag is set, where the flags are concrete (an eager call); False under jit. A
+    runtime check (`eqx.error_if`, a host callback) would keep every program that samples out of
+    JAX's persistent compilation cache, so the checks of `forward_cached` are eager only."""
+    try:
+        return bool(jnp.any(flags))
+    except jax.errors.ConcretizationTypeError:  # traced: no value to check
+        return False
+
+
 def _heads_first(q_BxTxKxGxE, k_BxTxKxE, v_BxTxKxE):
     return (jnp.transpose(q_BxTxKxGxE, (0, 2, 3, 1, 4)), jnp.transpose(k_BxTxKxE, (0, 2, 1, 3)),
             jnp.transpose(v_BxTxKxE, (0, 2, 1, 3)))
@@ -118,10 +128,16 @@ class BlockDiffusionLM(eqx.Module):
         Chunk queries see the cache's valid entries (clean, with their block ids) and the chunk's
         own entries under the same rule as the packed layout. Committed entries must be valid
         clean (view 0) tokens (an eager call that flags another raises; under jit it is not
-        written); they land at slot = position. `layers`: `self.layer_list()`, split once by a
-        caller that runs many steps (by default split here).
+        written); they land at slot = position. Valid chunk positions must lie in `[0,
+        cache.max_len)`, whose RoPE angles the cache holds (an eager call raises otherwise; under
+        jit the lookup clamps). `layers`: `self.layer_list()`, split once by a caller that runs
+        many steps (by default split here).
         """
         config = self.config
+        positions = jnp.asarray(chunk.positions)
+        if _any_where_concrete(jnp.asarray(chunk.valid) & ((positions < 0) | (positions >= cache.max_len))):
+            raise ValueError(f"forward_cached: a chunk position lies outside the cache's [0, {cache.max_len}); "
+                             "make the cache with init_cache(batch_size, max_len) for every position the canvas uses")
         cos, sin = cache.rope_angles(chunk.positions)
         chunk_meta = TokenMeta.from_layout(chunk)
         cache_meta = cache.meta()
@@ -141,14 +157,7 @@ class BlockDiffusionLM(eqx.Module):
             return logits, cache
         commit = jnp.asarray(commit) & jnp.asarray(chunk.valid)
         noisy = commit & (jnp.asarray(chunk.view_ids) != CLEAN_VIEW)
-        # Checked where the flags are concrete (an eager call). Under jit a flagged noisy entry is
-        # simply not written: a runtime check (`eqx.error_if`, a host callback) would keep every
-        # program that samples out of JAX's persistent compilation cache.
-        try:
-            flagged = bool(jnp.any(noisy))
-        except jax.errors.ConcretizationTypeError:  # traced: no value to check
-            flagged = False
-        if flagged:
+        if _any_where_concrete(noisy):  # under jit a flagged noisy entry is simply not written
             raise ValueError("forward_cached: commit flags a noisy (view != 0) entry; only clean entries are cached")
         commit = commit & ~noisy
         return logits, cache.write(new_k, new_v, chunk.positions, chunk.block_ids, commit)
