@@ -12,10 +12,17 @@ BASE = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff
 @pytest.mark.parametrize("change,field", [
     (dict(d_model=30), "d_model"), (dict(n_kv_heads=3), "n_kv_heads"), (dict(attention="flash"), "attention"),
     (dict(param_dtype="float64"), "param_dtype"), (dict(n_layers=0), "n_layers"), (dict(norm_eps=0.0), "norm_eps"),
+    (dict(attention="pallas", q_tile=48), "q_tile"), (dict(attention="pallas", k_tile=24), "k_tile"),
 ])
 def test_invalid_fields_are_named(change, field):
     with pytest.raises(ConfigError, match=f"ModelConfig.{field}"):
         ModelConfig(**{**BASE, **change})
+
+
+def test_power_of_two_tiles_are_required_by_pallas_only():
+    assert ModelConfig(**BASE, q_tile=48, k_tile=24).q_tile == 48  # the XLA kernels take any tile
+    with pytest.raises(ConfigError, match="power of two.*Triton"):
+        ModelConfig(**BASE, attention="pallas", q_tile=48)
 
 
 def test_round_trip():

@@ -1,7 +1,8 @@
 """`attention="pallas"` (forward and backward as Pallas kernels; on CPU in Pallas' interpret mode)
 equals the dense reference: the forward kernel's output and the backward kernels' gradients, with
-tiles that the plan skips, padding and grouped-query heads; and a whole model's logits and
-parameter gradients."""
+tiles that the plan skips, padding, grouped-query heads and a head dim padded for Triton; and a
+whole model's logits and parameter gradients. The same model's GPU program lowers, on this CPU
+host, to three Triton kernels."""
 
 import jax
 import jax.numpy as jnp
@@ -66,3 +67,17 @@ def test_model_with_pallas_attention_equals_dense(layouts):
     assert _rel(lp[valid], ld[valid]) <= 1e-5 and _rel(vp, vd) <= 1e-5
     for got, want in zip(jax.tree.leaves(gp), jax.tree.leaves(gd)):
         assert _rel(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_gpu_program_lowers_every_kernel_through_triton(layouts, compute_dtype):
+    """Lowering for CUDA runs Pallas' Triton lowering of the forward, dq and dk/dv kernels (it
+    refuses shapes that are not powers of two, such as this config's head dim 48 unpadded); JAX's
+    default GPU backend for `pallas_call`, Mosaic GPU, fails on these kernels at lowering."""
+    config = CONFIG.replace(head_dim=48, q_tile=16, k_tile=16, compute_dtype=compute_dtype)
+    assert config.head_dim == 48
+    layout = layouts(3, batch=1, views_per_block=2).layout
+    model = BlockDiffusionLM(config, key=jax.random.key(3))
+    loss = lambda m: jnp.sum(m(layout) * layout.valid[..., None])  # noqa: E731
+    text = jax.jit(jax.value_and_grad(loss)).trace(model).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3  # one layer body: forward, dq, dk/dv

@@ -112,6 +112,12 @@ class ModelConfig:
                 raise fail(name, f"one of {DTYPES}")
         if self.attention not in ATTENTION_IMPLS:
             raise fail("attention", f"one of {ATTENTION_IMPLS}")
+        if self.attention == "pallas":
+            for name in ("q_tile", "k_tile"):
+                value = getattr(self, name)
+                if value & (value - 1):
+                    raise fail(name, "a power of two with attention='pallas'",
+                               "Triton lowers only power-of-two shapes inside a kernel; pick 16, 32, 64 or 128")
         if self.remat not in REMAT_POLICIES:
             raise fail("remat", f"one of {REMAT_POLICIES}")
         for name in ("tie_embeddings", "qk_norm", "qkv_bias"):

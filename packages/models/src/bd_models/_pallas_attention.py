@@ -10,10 +10,15 @@ same planned key tiles, and `dk`/`dv` per (row, kv head, key tile) over the quer
 that key tile (the transposed plan) and the kv head's query heads, so nothing is accumulated
 across programs.
 
-Where it runs: on CPU in Pallas' interpret mode, which is correct but slow (what the equality
-tests use). On GPU the same kernels go to Pallas' Triton backend; they have not yet been compiled
-there (no GPU was available), and Triton wants power-of-two block shapes, so expect to need
-power-of-two tiles, head dims and padded lengths. TPU is refused (its Mosaic backend needs another
+Where it runs: the backend is chosen when the program is lowered, for the platform it is lowered
+for (`lax.platform_dependent`): Pallas' Triton backend on GPU (named explicitly: JAX otherwise
+sends `pallas_call` to Mosaic GPU, which these kernels are not written for), interpret mode on
+CPU, which is correct but slow (what the equality tests use). On a CPU host the GPU program can
+still be lowered (`jit(...).trace(...).lower(lowering_platforms=("cuda",))`), which runs the
+Triton lowering of all three kernels, as a test does; compiling them to GPU code needs a GPU.
+Triton wants power-of-two shapes inside a kernel: the head dim is zero-padded to the next power
+of two, at least 16, which leaves the scores and the output exact (`ModelConfig` requires
+power-of-two tiles with `attention="pallas"`). TPU is refused (its Mosaic backend needs another
 tiling). The dense and blocked kernels stay the references.
 Shape letters: see bd_core (B, K, G, H = K·G, T, S, E; Q query tile, U key tile, I, J tile counts).
 """
@@ -26,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from bd_core import CLEAN_VIEW, TokenMeta
 
@@ -119,12 +125,15 @@ def _dkv_kernel(order_ref, count_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, 
     dk_ref[...], dv_ref[...] = dk_UxE.astype(dk_ref.dtype), dv_UxE.astype(dv_ref.dtype)
 
 
-def _interpret() -> bool:
-    backend = jax.default_backend()
-    if backend == "tpu":
+def _pallas_call(kernel, **kwargs):
+    """`pl.pallas_call(kernel, **kwargs)` for the platform the program is lowered for: Triton on GPU,
+    interpret mode on CPU (both staged; lowering keeps the one for its platform)."""
+    if jax.default_backend() == "tpu":
         raise ValueError("attention='pallas' runs on GPU (Triton) or, for tests, in interpret mode on CPU; on TPU "
                          "use attention='blocked' or 'shard_map'")
-    return backend != "gpu"
+    triton = pl.pallas_call(kernel, compiler_params=pltriton.CompilerParams(), **kwargs)
+    interpreted = pl.pallas_call(kernel, interpret=True, **kwargs)
+    return lambda *args: lax.platform_dependent(*args, cpu=interpreted, cuda=triton, rocm=triton)
 
 
 def _plans(q_meta: TokenMeta, k_meta: TokenMeta, q_tile: int, k_tile: int):
@@ -152,14 +161,13 @@ def _pallas_forward(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta
     kv_whole = pl.BlockSpec((None, None, s, e), lambda r, h, i: (r, h // g, 0, 0))  # query head h reads kv head h // g
     q_rows = pl.BlockSpec((None, q_tile), lambda r, h, i: (r, i))
     k_rows = pl.BlockSpec((None, s), lambda r, h, i: (r, 0))
-    out, lse = pl.pallas_call(
+    out, lse = _pallas_call(
         functools.partial(_kernel, k_tile=k_tile),
         grid=(b, kh * g, n_i),
         in_specs=[_whole((n_i, n_j)), _whole((n_i,)), q_tiles, kv_whole, kv_whole, *[q_rows] * 3, *[k_rows] * 3],
         out_specs=[q_tiles, pl.BlockSpec((None, None, q_tile), lambda r, h, i: (r, h, i))],
         out_shape=[jax.ShapeDtypeStruct((b, kh * g, t, e), q_BxKxGxTxE.dtype),
                    jax.ShapeDtypeStruct((b, kh * g, t), jnp.float32)],
-        interpret=_interpret(),
     )(order_IxJ, count_I, q_BxKxGxTxE.reshape(b, kh * g, t, e), k_BxKxSxE, v_BxKxSxE, *_ints(q_meta), *_ints(k_meta))
     return out.reshape(b, kh, g, t, e), lse.reshape(b, kh, g, t)
 
@@ -178,7 +186,7 @@ def _pallas_backward(q_tile: int, k_tile: int, residuals, dout_BxKxGxTxE):
     q_tiles = pl.BlockSpec((None, None, q_tile, e), lambda r, hh, i: (r, hh, i, 0))
     row_tiles = pl.BlockSpec((None, None, q_tile), lambda r, hh, i: (r, hh, i))
     kv_whole = pl.BlockSpec((None, None, s, e), lambda r, hh, i: (r, hh // g, 0, 0))
-    dq = pl.pallas_call(
+    dq = _pallas_call(
         functools.partial(_dq_kernel, k_tile=k_tile),
         grid=(b, h, n_i),
         in_specs=[_whole((n_i, n_j)), _whole((n_i,)), q_tiles, q_tiles, row_tiles, row_tiles, kv_whole, kv_whole,
@@ -186,13 +194,12 @@ def _pallas_backward(q_tile: int, k_tile: int, residuals, dout_BxKxGxTxE):
                   *[pl.BlockSpec((None, s), lambda r, hh, i: (r, 0))] * 3],
         out_specs=q_tiles,
         out_shape=jax.ShapeDtypeStruct((b, h, t, e), q_BxKxGxTxE.dtype),
-        interpret=_interpret(),
     )(order_IxJ, count_I, *per_head, k_BxKxSxE, v_BxKxSxE, *metas)
 
     group = pl.BlockSpec((None, g, t, e), lambda r, c, j: (r, c, 0, 0))  # kv head c's query heads
     group_rows = pl.BlockSpec((None, g, t), lambda r, c, j: (r, c, 0))
     kv_tiles = pl.BlockSpec((None, None, k_tile, e), lambda r, c, j: (r, c, j, 0))
-    dk, dv = pl.pallas_call(
+    dk, dv = _pallas_call(
         functools.partial(_dkv_kernel, q_tile=q_tile, g=g),
         grid=(b, kh, n_j),
         in_specs=[_whole((n_j, n_i)), _whole((n_j,)), group, group, group_rows, group_rows, kv_tiles, kv_tiles,
@@ -201,7 +208,6 @@ def _pallas_backward(q_tile: int, k_tile: int, residuals, dout_BxKxGxTxE):
         out_specs=[kv_tiles, kv_tiles],
         out_shape=[jax.ShapeDtypeStruct(k_BxKxSxE.shape, k_BxKxSxE.dtype),
                    jax.ShapeDtypeStruct(v_BxKxSxE.shape, v_BxKxSxE.dtype)],
-        interpret=_interpret(),
     )(order_JxI, count_J, *per_head, k_BxKxSxE, v_BxKxSxE, *metas)
     return dq.reshape(b, kh, g, t, e), dk, dv, None, None
 
@@ -219,7 +225,16 @@ def _pallas_flash_fwd(q, k, v, q_meta, k_meta, q_tile, k_tile):
 _pallas_flash.defvjp(_pallas_flash_fwd, _pallas_backward)
 
 
+def _pad_head_dim(x, e: int):
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, e - x.shape[-1])])
+
+
 def pallas_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta: TokenMeta, *,
                      q_tile: int = 64, k_tile: int = 64) -> Array:
-    """`blocked_attention` as Pallas kernels (forward and backward); equals `dense_attention`."""
-    return tiled(_pallas_flash, q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta, q_tile, k_tile)
+    """`blocked_attention` as Pallas kernels (forward and backward); equals `dense_attention`. The
+    head dim runs zero-padded to a power of two (at least 16): zero lanes add exact zeros to the
+    scores, and the output's extra lanes are cropped."""
+    e = q_BxKxGxTxE.shape[-1]
+    e_pad = max(16, 1 << (e - 1).bit_length())
+    q, k, v = (_pad_head_dim(x, e_pad) for x in (q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE))
+    return tiled(_pallas_flash, q, k, v, q_meta, k_meta, q_tile, k_tile)[..., :e]
