@@ -13,7 +13,7 @@ RUN := $(UV) run --no-sync
 export GLIBC_TUNABLES := $(if $(findstring glibc.malloc.hugetlb=,$(GLIBC_TUNABLES)),$(GLIBC_TUNABLES),$(if $(GLIBC_TUNABLES),$(GLIBC_TUNABLES):)glibc.malloc.hugetlb=1)
 PKG_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml)
 
-.PHONY: sync test lint run bench clean interop
+.PHONY: sync test lint run bench bench-gpu clean interop
 sync: .venv/.synced
 
 $(UV):
@@ -72,3 +72,11 @@ bench: sync
 	@for f in bench/train_step.py bench/sampling.py bench/sft_weighting.py bench/remat.py bench/import_memory.py bench/lora.py \
 	  bench/profile_step.py bench/sampler_batch.py bench/noisy_views.py bench/host_memory.py; do \
 	  if [ -f $$f ]; then echo "== $$f"; $(RUN) python $$f || exit 1; fi; done
+
+# On a machine with an NVIDIA GPU: JAX's CUDA 12 plugin at the pinned jax version goes into .venv
+# (a later `make sync` after a pyproject change removes it again), then bench/accelerator.py
+# measures the bfloat16 1B-config train step and the Pallas attention kernels against XLA's.
+JAX_VERSION := $(shell sed -n 's/.*"jax==\([0-9.]*\)".*/\1/p' packages/core/pyproject.toml)
+bench-gpu: sync
+	$(UV) pip install --python .venv/bin/python --quiet "jax[cuda12]==$(JAX_VERSION)"
+	$(RUN) python bench/train_step.py --device gpu

@@ -4,11 +4,13 @@ Forward + backward + AdamW on the 2L SFT layout `[clean canvas | noisy copy]`. M
 (matmuls + attention over the entries the mask allows) / step time / a float32 matmul peak
 measured in this process: per round the best of three 2048² products, then one step, and the
 median over rounds of each step's rate over the peak beside it (`_peak.py`). Writes
-bench/results/train_step.json and its BENCHMARKS.md section.
+bench/results/train_step.json and its BENCHMARKS.md section. `--device gpu` runs
+bench/accelerator.py instead (bfloat16 MFU at a 1B config, Pallas vs XLA attention).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -140,6 +142,17 @@ def write_markdown(results: dict[str, float], lengths) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description="Train-step throughput and MFU (see the module docstring).")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                        help="gpu: the bfloat16 1B-config step and the Pallas kernels (bench/accelerator.py)")
+    args, rest = parser.parse_known_args()
+    if args.device == "gpu":
+        import accelerator  # it imports this module's step
+
+        accelerator.main(rest)
+        return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     results = headline()
     print(f"headline: {results['step_s']:.3f} s/step, MFU {results['mfu']:.1%} (median over rounds), "
           f"{results['mfu_vs_best_peak']:.1%} of the run's best peak {results['peak_gflops']:.1f} GFLOP/s")

@@ -7,6 +7,7 @@ letters: see bd_core.
 
 from bd_core import ConfigError as ConfigError
 
+from ._attention import attend as attend
 from ._attention import blocked_attention as blocked_attention
 from ._attention import dense_attention as dense_attention
 from ._attention import sharded_attention as sharded_attention

@@ -233,6 +233,8 @@ def sharded_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_me
 
 def attend(impl: str, q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta: TokenMeta, *,
            q_tile: int = 64, k_tile: int = 64) -> Array:
+    """Attention under the block-diffusion mask by the implementation `ModelConfig.attention` names
+    (`dense`, `blocked`, `shard_map` or `pallas`; the Pallas kernels are imported on first use)."""
     if impl == "dense":
         return dense_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta)
     if impl == "pallas":

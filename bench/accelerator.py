@@ -1,0 +1,175 @@
+"""The accelerator path on one GPU: the bfloat16 train-step MFU at SCALING.md's 1B config, and the
+Pallas (Triton) attention kernels against XLA's blocked kernel.
+
+`make bench-gpu` (or `python bench/train_step.py --device gpu`) on a machine with a GPU:
+- Train step: SCALING.md's 1B decoder (D 2048, 22 layers, 32 query and 4 kv heads of 64, SwiGLU
+  5632, vocab 32,000 tied, block 4), mixed precision (float32 master weights and AdamW state,
+  bfloat16 activations and matmul operands: `compute_dtype="bfloat16"`), remat `elementwise`,
+  batch 8 of the 2L layout of a 1024-token canvas (T = 2048), once with `attention="pallas"` and
+  once with `"blocked"`. MFU = useful FLOPs (`model_flops`) / median step time / the bfloat16
+  matmul peak measured in this process (best of 8192³ products).
+- Attention alone at the step's shapes (forward + backward of one layer's kernel): `blocked`,
+  `pallas` and `dense` in bfloat16, their values and gradients compared with `dense` in float32.
+Writes bench/results/accelerator.json and the BENCHMARKS.md section, naming the device.
+`--size small` runs a small config on any backend (Pallas in interpret mode on CPU): what the test
+in tests/test_accelerator_bench.py runs, so the script stays runnable without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from _report import write_results, write_section
+from train_step import make_step, median_time, sft_batch
+
+from bd_core import TokenMeta
+from bd_models import BlockDiffusionLM, ModelConfig, attend, model_flops
+
+SIZES = {
+    "1b": (ModelConfig(vocab_size=32_000, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, d_ff=5632,
+                       block_size=4, compute_dtype="bfloat16", param_dtype="float32"), 8, 1024, 8192),
+    "small": (ModelConfig(vocab_size=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, block_size=4,
+                          compute_dtype="bfloat16", param_dtype="float32", q_tile=16, k_tile=16), 2, 32, 256),
+}  # config, batch, canvas (T = 2 x canvas), matmul size for the peak
+
+
+def bf16_peak(n: int, runs: int = 10) -> float:
+    """FLOP/s of the best of `runs` bfloat16 `n`³ products accumulated in float32."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    jax.block_until_ready(mm(a, b))
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(mm(a, b))
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / min(times)
+
+
+def train_step(config: ModelConfig, batch: int, canvas: int, steps: int) -> dict[str, float]:
+    """Median seconds of a jitted SFT step (forward, backward, AdamW) and its useful FLOPs."""
+    import optax
+
+    layout, targets, weights = sft_batch(config, batch, canvas)
+    model = BlockDiffusionLM(config, key=jax.random.key(0))
+    optimizer = optax.adamw(3e-4, weight_decay=0.01)
+    opt_state = optimizer.init(model)  # pyright: ignore[reportArgumentType]  (a Module is a pytree of params)
+    step = make_step(optimizer)
+    seconds, _ = median_time(step, model, opt_state, layout, targets, weights, steps=steps)
+    return {"step_s": seconds, "flops": model_flops(config, layout)["train_step"]}
+
+
+def attention_kernels(config: ModelConfig, batch: int, canvas: int, steps: int) -> dict[str, float]:
+    """Forward + backward of one layer's attention at the step's shapes, per implementation in the
+    compute dtype: the median seconds, and the largest error of the value and of each gradient
+    relative to `dense` in float32 on the same inputs."""
+    layout, _, _ = sft_batch(config, batch, canvas)
+    meta = TokenMeta.from_layout(layout)
+    t, kv, g, e = layout.shape[1], config.n_kv_heads, config.q_per_kv, config.head_dim
+    keys = jax.random.split(jax.random.key(0), 4)
+    dtype = config.compute_jnp_dtype
+    q = jax.random.normal(keys[0], (batch, kv, g, t, e), dtype)
+    k, v = (jax.random.normal(key, (batch, kv, t, e), dtype) for key in keys[1:3])
+    probe = jax.random.normal(keys[3], q.shape, jnp.float32)
+
+    def grads_of(impl: str, dtype=dtype):
+        def loss(q, k, v):
+            q, k, v = (x.astype(dtype) for x in (q, k, v))
+            out = attend(impl, q, k, v, meta, meta, q_tile=config.q_tile, k_tile=config.k_tile)
+            return jnp.sum(probe * out.astype(jnp.float32))
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+    # The reference: dense attention in float32 on the same (rounded) inputs.
+    reference = jax.block_until_ready(grads_of("dense", jnp.float32)(q, k, v))
+    outputs, results = {}, {}
+    for impl in ("dense", "blocked", "pallas"):
+        fn = grads_of(impl)
+        outputs[impl] = jax.block_until_ready(fn(q, k, v))
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(q, k, v))
+            times.append(time.perf_counter() - start)
+        results[f"attention_{impl}_s"] = statistics.median(times)
+    value_d, grads_d = reference
+    for impl in ("dense", "blocked", "pallas"):
+        value, grads = outputs[impl]
+        errors = [abs(float(value) - float(value_d)) / max(abs(float(value_d)), 1e-30)]
+        for got, want in zip(grads, grads_d, strict=True):
+            want32 = want.astype(jnp.float32)
+            errors.append(float(jnp.max(jnp.abs(got.astype(jnp.float32) - want32)) / jnp.max(jnp.abs(want32))))
+        results[f"attention_{impl}_max_rel_error"] = max(errors)
+    results["pallas_speedup_vs_blocked"] = results["attention_blocked_s"] / results["attention_pallas_s"]
+    return results
+
+
+def measure(size: str, steps: int) -> dict[str, float | str]:
+    config, batch, canvas, peak_n = SIZES[size]
+    device = jax.devices()[0]
+    results: dict[str, float | str] = {"device": f"{device.platform}: {device.device_kind}", "size": size,
+                                       "batch": batch, "canvas": canvas}
+    peak = bf16_peak(peak_n)
+    results["bf16_peak_tflops"] = peak / 1e12
+    for impl in ("pallas", "blocked"):
+        point = train_step(config.replace(attention=impl), batch, canvas, steps)
+        results[f"step_{impl}_s"] = point["step_s"]
+        results[f"mfu_{impl}"] = point["flops"] / point["step_s"] / peak
+        results["step_tflop"] = point["flops"] / 1e12
+    results.update(attention_kernels(config, batch, canvas, steps))
+    results["bf16_peak_after_tflops"] = bf16_peak(peak_n) / 1e12
+    return results
+
+
+def write_markdown(results: dict, markdown=None) -> None:
+    config, batch, canvas, peak_n = SIZES[str(results["size"])]
+    rows = [
+        f"Device: {results['device']}. Train step: d_model {config.d_model}, {config.n_layers} layers, "
+        f"{config.n_heads} query / {config.n_kv_heads} kv heads of {config.head_dim}, SwiGLU {config.d_ff}, vocab "
+        f"{config.vocab_size:,} tied, block {config.block_size}, batch {batch} of the 2L layout of a {canvas}-token "
+        f"canvas (T = {2 * canvas}), float32 master weights and AdamW, bfloat16 compute, remat `{config.remat}`; "
+        f"{results['step_tflop']:.1f} TFLOP per step (useful). Peak: the best bfloat16 {peak_n}³ product "
+        f"(float32 accumulation) in the same process, {results['bf16_peak_tflops']:.0f} TFLOP/s before the steps "
+        f"and {results['bf16_peak_after_tflops']:.0f} after.",
+        "",
+        "| attention | step time | MFU (bf16) |", "|---|---|---|",
+        *(f"| `{impl}` | {results[f'step_{impl}_s']:.3f} s | {results[f'mfu_{impl}']:.1%} |"
+          for impl in ("pallas", "blocked")),
+        "",
+        "One layer's attention kernel alone at the step's shapes in bfloat16, forward + backward (error: the "
+        "largest of the value's and each gradient's max difference, relative to their largest entry, from `dense` "
+        "in float32 on the same inputs):",
+        "",
+        "| kernel | time | vs `blocked` | max relative error |", "|---|---|---|---|",
+        *(f"| `{impl}` | {results[f'attention_{impl}_s'] * 1e3:.2f} ms | "
+          f"{results['attention_blocked_s'] / results[f'attention_{impl}_s']:.2f}x | "
+          f"{results[f'attention_{impl}_max_rel_error']:.1e} |" for impl in ("dense", "blocked", "pallas")),
+    ]
+    kwargs = {} if markdown is None else {"markdown": markdown}
+    write_section("accelerator", "## Accelerator: bf16 MFU and Pallas attention (`bench/accelerator.py`)\n\n"
+                  + "\n".join(rows), **kwargs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="bfloat16 train-step MFU and Pallas vs XLA attention on a GPU")
+    parser.add_argument("--size", choices=sorted(SIZES), default="1b")
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args(argv)
+    if args.size == "1b" and jax.default_backend() != "gpu":
+        parser.error(f"--size 1b needs a GPU (JAX's default backend here is {jax.default_backend()!r}); "
+                     "--size small runs the same measurements on any backend")
+    results = measure(args.size, args.steps)
+    for key, value in results.items():
+        print(f"{key}: {value}")
+    if args.size == "1b":  # the small size is a check of the script, not a result to keep
+        write_results("accelerator", results)
+        write_markdown(results)
+
+
+if __name__ == "__main__":
+    main()
