@@ -1,15 +1,23 @@
 """`bench/accelerator.py` (the GPU benchmark: bf16 train-step MFU, Pallas vs XLA attention) runs
 end to end at its small size on CPU, so it is ready when a GPU is: every kernel's bfloat16 value
-and gradients stay near float32 dense attention, and its BENCHMARKS.md section renders."""
+and gradients stay near float32 dense attention, and its BENCHMARKS.md section renders. The 1B
+train step it times on a GPU lowers for CUDA here, its attention through three Triton kernels."""
 
 import math
 import sys
 from pathlib import Path
 
+import equinox as eqx
+import jax
+import optax
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import accelerator  # noqa: E402  (bench/ is a folder of scripts, not a package)
+from train_step import make_step, sft_batch  # noqa: E402
+
+from bd_models import BlockDiffusionLM  # noqa: E402
 
 
 def test_small_size_measures_and_renders(tmp_path):
@@ -28,3 +36,15 @@ def test_small_size_measures_and_renders(tmp_path):
     text = markdown.read_text()
     assert "<!-- accelerator:start -->" in text and "Device: cpu" in text
     assert all(f"| `{impl}` |" in text for impl in ("dense", "blocked", "pallas"))
+
+
+def test_1b_step_lowers_for_cuda_through_triton():
+    """Shapes only (no 1B arrays are made): the whole jitted step at the benchmark's shapes."""
+    config, batch, canvas, _ = accelerator.SIZES["1b"]
+    config = config.replace(attention="pallas")
+    model = eqx.filter_eval_shape(BlockDiffusionLM, config, key=jax.random.key(0))
+    optimizer = optax.adamw(3e-4, weight_decay=0.01)
+    opt_state = eqx.filter_eval_shape(optimizer.init, model)
+    args = (model, opt_state, *sft_batch(config, batch, canvas))
+    text = make_step(optimizer).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3  # the scanned layer's forward, dq and dk/dv kernels
