@@ -45,12 +45,13 @@ class Interleaved:
 
 
 @functools.cache
-def matmul_timer() -> Callable[[], float]:
-    """Seconds of one 2048² product, compiled on the first call (a benchmark that counts compiles
-    calls this before it starts counting)."""
-    a = jax.random.normal(jax.random.key(0), (N, N), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (N, N), jnp.float32)
-    mm = jax.jit(lambda a, b: (a @ b, b))
+def matmul_timer(n: int = N, dtype=jnp.float32) -> Callable[[], float]:
+    """Seconds of one `n`³ product of `dtype` operands accumulated in float32 (by default the 2048²
+    float32 one), compiled on the first call (a benchmark that counts compiles calls this before it
+    starts counting)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    mm = jax.jit(lambda a, b: (jnp.dot(a, b, preferred_element_type=jnp.float32), b))
     jax.block_until_ready(mm(a, b))
 
     def once() -> float:

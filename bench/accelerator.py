@@ -18,16 +18,17 @@ in tests/test_accelerator_bench.py runs, so the script stays runnable without a 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 
 import jax
 import jax.numpy as jnp
+from _peak import matmul_timer
 from _report import write_results, write_section
-from train_step import make_step, median_time, sft_batch
+from sampling import timed
+from train_step import median_time, setup, sft_batch
 
 from bd_core import TokenMeta
-from bd_models import BlockDiffusionLM, ModelConfig, attend, model_flops
+from bd_models import ModelConfig, attend, model_flops
 
 SIZES = {
     "1b": (ModelConfig(vocab_size=32_000, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, d_ff=5632,
@@ -39,29 +40,14 @@ SIZES = {
 
 def bf16_peak(n: int, runs: int = 10) -> float:
     """FLOP/s of the best of `runs` bfloat16 `n`³ products accumulated in float32."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-    jax.block_until_ready(mm(a, b))
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(mm(a, b))
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / min(times)
+    timer = matmul_timer(n, jnp.bfloat16)
+    return 2 * n**3 / min(timer() for _ in range(runs))
 
 
-def train_step(config: ModelConfig, batch: int, canvas: int, steps: int) -> dict[str, float]:
-    """Median seconds of a jitted SFT step (forward, backward, AdamW) and its useful FLOPs."""
-    import optax
-
-    layout, targets, weights = sft_batch(config, batch, canvas)
-    model = BlockDiffusionLM(config, key=jax.random.key(0))
-    optimizer = optax.adamw(3e-4, weight_decay=0.01)
-    opt_state = optimizer.init(model)  # pyright: ignore[reportArgumentType]  (a Module is a pytree of params)
-    step = make_step(optimizer)
-    seconds, _ = median_time(step, model, opt_state, layout, targets, weights, steps=steps)
-    return {"step_s": seconds, "flops": model_flops(config, layout)["train_step"]}
+def step_seconds(config: ModelConfig, batch: int, canvas: int, steps: int) -> float:
+    """Median seconds of a jitted SFT step (forward, backward, AdamW)."""
+    step, args = setup(config, 2 * canvas, tokens=batch * 2 * canvas)
+    return median_time(step, *args, steps=steps)[0]
 
 
 def attention_kernels(config: ModelConfig, batch: int, canvas: int, steps: int) -> dict[str, float]:
@@ -89,14 +75,7 @@ def attention_kernels(config: ModelConfig, batch: int, canvas: int, steps: int) 
     reference = jax.block_until_ready(grads_of("dense", jnp.float32)(q, k, v))
     outputs, results = {}, {}
     for impl in ("dense", "blocked", "pallas"):
-        fn = grads_of(impl)
-        outputs[impl] = jax.block_until_ready(fn(q, k, v))
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(q, k, v))
-            times.append(time.perf_counter() - start)
-        results[f"attention_{impl}_s"] = statistics.median(times)
+        results[f"attention_{impl}_s"], outputs[impl] = timed(functools.partial(grads_of(impl), q, k, v), runs=steps)
     value_d, grads_d = reference
     for impl in ("dense", "blocked", "pallas"):
         value, grads = outputs[impl]
@@ -116,11 +95,11 @@ def measure(size: str, steps: int) -> dict[str, float | str]:
                                        "batch": batch, "canvas": canvas}
     peak = bf16_peak(peak_n)
     results["bf16_peak_tflops"] = peak / 1e12
+    flops = model_flops(config, sft_batch(config, batch, canvas)[0])["train_step"]
+    results["step_tflop"] = flops / 1e12
     for impl in ("pallas", "blocked"):
-        point = train_step(config.replace(attention=impl), batch, canvas, steps)
-        results[f"step_{impl}_s"] = point["step_s"]
-        results[f"mfu_{impl}"] = point["flops"] / point["step_s"] / peak
-        results["step_tflop"] = point["flops"] / 1e12
+        seconds = step_seconds(config.replace(attention=impl), batch, canvas, steps)
+        results[f"step_{impl}_s"], results[f"mfu_{impl}"] = seconds, flops / seconds / peak
     results.update(attention_kernels(config, batch, canvas, steps))
     results["bf16_peak_after_tflops"] = bf16_peak(peak_n) / 1e12
     return results

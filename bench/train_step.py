@@ -71,9 +71,9 @@ def make_step(optimizer):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def setup(config: ModelConfig, length: int):
-    """A jitted step and its first args for `TOKENS_PER_STEP` packed tokens at T = `length`."""
-    layout, targets, weights = sft_batch(config, TOKENS_PER_STEP // length, length // 2)
+def setup(config: ModelConfig, length: int, tokens: int = TOKENS_PER_STEP):
+    """A jitted step and its first args for `tokens` packed tokens at T = `length`."""
+    layout, targets, weights = sft_batch(config, tokens // length, length // 2)
     model = BlockDiffusionLM(config, key=jax.random.key(0))
     optimizer = optax.adamw(3e-4, weight_decay=0.01)
     opt_state = optimizer.init(model)  # pyright: ignore[reportArgumentType]  (a Module is a pytree of params)
