@@ -1,19 +1,33 @@
-"""A paired, multi-seed study of the post-training stages on a preset (default: `make run`'s).
+"""Where GRPO helps and where it can't: learning curves against updates, with controls.
 
-For each seed: teacher and student SFT, OPD from that student, then GRPO from that OPD checkpoint
-once per rollout mode — `threshold` (the preset's confidence-threshold decoding, whose trace
-log-prob is a surrogate) and `random` (a parameter-free random commit order, one token per step,
-whose trace log-prob is exact). Every model of a seed is evaluated on the same held-out problems
-(greedy, the preset's `[eval]` decoding). Prints per-seed numbers, means and spreads, and the
-paired gains; writes `bench/results/rl_study.json`, `bench/results/rl_study.png` and its section of
-BENCHMARKS.md.
+A study is a preset (task, canvas, models) and its seeds' chain: teacher and student SFT, then OPD.
+From a checkpoint of that chain (`start`), each arm trains on with one stage and is evaluated at
+every curve point (`--updates`, e.g. 8 32 128) on the same held-out problems: greedy accuracy (and
+each problem's reward, for paired errors), pass@k at the rollout decoding, and, for GRPO arms, the
+rollouts' reward and entropy and the cosine between the GRPO gradients of two independent batches.
 
-    python bench/rl_study.py [--config flows/configs/default.toml] [--seeds 0 1 2]
+- GRPO arms run with a constant learning rate, so the run to 32 updates continues the run to 8
+  exactly (the stage resumes from its checkpoint with `[run] allow_changes` on its step count).
+- Control arms (`opd_more`, `sft_more`) continue OPD or SFT from the same checkpoint for the same
+  wall-clock: at curve point U, `U x (GRPO s/update) / (control s/step)` steps, the per-step times
+  measured on this host (GRPO's in its own run, the control's in the chain's run of that stage).
+- `argsort_ar` is `argsort` with block_size 1: one token per block, an autoregressive LM whose
+  trajectory likelihood is exact and whose GRPO is the textbook one.
+
+Every finished curve point is written at once to `bench/results/rl_study/<study>/seed<k>/<arm>.json`
+(checkpoints live in `--output-dir`), so an interrupted study resumes where it stopped: `run`
+skips points on disk. `report` rebuilds tables, the figure and the BENCHMARKS.md section from them.
+
+    python bench/rl_study.py run --study argsort --arms grpo opd_more sft_more --seeds 0 1 2 --updates 8 32 128
+    python bench/rl_study.py report
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import math
 import sys
 import time
 import tomllib
@@ -23,108 +37,347 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import ROOT, preset_data, write_results, write_section  # noqa: E402
+from _report import ROOT, preset_data, write_section  # noqa: E402
 
-MODES = {"threshold": {}, "random": {"strategy": "random"}}  # [grpo] sampler overrides
+RESULTS = ROOT / "bench" / "results" / "rl_study"
+CONFIGS = ROOT / "flows" / "configs"
+# What every study changes in its preset: no accuracy-vs-NFE curve (pass@k stays), a checkpoint
+# only at each curve point's end, and the step count of a resumed stage may grow.
+STEPS = ["training.grpo.steps", "training.opd.steps", "training.sft.steps", "training.steps"]
+COMMON = {"eval": {"thresholds": [], "samples": 4},
+          "run": {"checkpoint_every": 100_000, "max_to_keep": 1, "allow_changes": STEPS}}
 
 
-def _config(base: dict, seed: int, output_dir: Path, grpo_sampler: dict):
+@dataclasses.dataclass(frozen=True)
+class Study:
+    preset: str
+    sections: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+STUDIES = {
+    "argsort": Study("default.toml"),
+    "argsort_ar": Study("default.toml", {"canvas": {"block_size": 1}}),
+    "countdown": Study("countdown.toml"),
+    "smoke": Study("smoke.toml"),  # the driver's own test: tiny models, seconds per point
+}
+
+# GRPO at a constant learning rate for curves; 1e-4 is the preset's peak (1e-3 collapsed the
+# default student within 16 updates: accuracy 0.75 -> 0.40).
+GRPO = {"updates_per_rollout": 1, "optim": {"lr": 1e-4, "schedule": "constant", "warmup_steps": 0}}
+CONTROL_OPTIM = {"lr": 1e-3, "schedule": "constant", "warmup_steps": 5}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """`stage` trains on from the chain's `start` checkpoint with `sections` over the study's
+    preset; a control (`stage` opd or sft) is matched in wall-clock to the GRPO arm `matches`."""
+
+    stage: str
+    start: str = "opd"
+    sections: dict[str, Any] = dataclasses.field(default_factory=dict)
+    matches: str | None = None
+
+
+def _grpo(**grpo: Any) -> dict[str, Any]:
+    merged = {**GRPO, **grpo}
+    merged["optim"] = {**GRPO["optim"], **grpo.get("optim", {})}
+    return {"grpo": merged}
+
+
+ARMS = {
+    "grpo": Arm("grpo", sections=_grpo()),
+    "grpo_exact": Arm("grpo", sections=_grpo(sampler={"strategy": "random"})),
+    "grpo_positions": Arm("grpo", sections={**_grpo(), "task": {"params": {"credit": "positions"}}}),
+    "grpo_rloo": Arm("grpo", sections=_grpo(advantage="rloo")),
+    "grpo_g4": Arm("grpo", sections=_grpo(prompts_per_step=512, group_size=4)),
+    "grpo_lr3e-4": Arm("grpo", sections=_grpo(optim={"lr": 3e-4})),
+    "grpo_lr3e-5": Arm("grpo", sections=_grpo(optim={"lr": 3e-5})),
+    "opd_more": Arm("opd", sections={"opd": {"optim": CONTROL_OPTIM}}, matches="grpo"),
+    "sft_more": Arm("sft", sections={"sft": {"optim": CONTROL_OPTIM}}, matches="grpo"),
+    "grpo_from_sft": Arm("grpo", start="sft", sections=_grpo()),
+    "opd_from_sft": Arm("opd", start="sft", sections={"opd": {"optim": CONTROL_OPTIM}}, matches="grpo_from_sft"),
+    "sft_from_sft": Arm("sft", start="sft", sections={"sft": {"optim": CONTROL_OPTIM}}, matches="grpo_from_sft"),
+}
+
+
+def _merge(base: dict, sections: dict) -> dict:
+    out = json.loads(json.dumps(base))
+    for name, values in sections.items():
+        section = out.setdefault(name, {})
+        for key, value in values.items():
+            section[key] = {**section.get(key, {}), **value} if isinstance(value, dict) else value
+    return out
+
+
+def study_config(study: str, seed: int, output_dir: Path, *sections: dict) -> dict:
     from bd_train.stages import parse_pipeline_config
 
-    return parse_pipeline_config(preset_data(base, seed=seed, output_dir=output_dir, grpo={"sampler": grpo_sampler}))
+    spec = STUDIES[study]
+    data = tomllib.loads((CONFIGS / spec.preset).read_text())
+    for extra in (spec.sections, COMMON, *sections):
+        data = _merge(data, extra)
+    return parse_pipeline_config(preset_data(data, seed=seed, output_dir=output_dir / study))
 
 
-def _metrics(result) -> dict[str, Any]:
-    assert result.evaluation is not None, f"{result.stage} was not evaluated"
-    return result.evaluation.metrics()
+# -- results on disk ------------------------------------------------------------------------------
+
+def _path(study: str, seed: int, arm: str) -> Path:
+    return RESULTS / study / f"seed{seed}" / f"{arm}.json"
 
 
-def run_seed(base: dict, seed: int, output_dir: Path) -> dict:
+def load(study: str, seed: int, arm: str) -> dict:
+    path = _path(study, seed, arm)
+    return json.loads(path.read_text()) if path.exists() else {"points": []}
+
+
+def save(study: str, seed: int, arm: str, record: dict) -> None:
+    path = _path(study, seed, arm)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def _evaluation(evaluation) -> dict[str, Any]:
+    """The numbers of an evaluation, with each problem's greedy reward and correct-sample count."""
+    return {**evaluation.metrics(), "rewards": [round(r, 4) for r in evaluation.rewards],
+            "correct_samples": "".join(map(str, evaluation.correct_samples))}
+
+
+def _per_update(seconds: dict[str, float] | None) -> float | None:
+    """A compiled update's seconds in a stage call (None when it took fewer than two)."""
+    if not seconds or seconds["updates"] < 2:
+        return None
+    return (seconds["train"] - seconds["first"]) / (seconds["updates"] - 1)
+
+
+# -- the chain and the arms -----------------------------------------------------------------------
+
+def chain(study: str, seed: int, output_dir: Path) -> dict[str, Any]:
+    """The seed's teacher, student SFT and OPD results (trained once, then restored); their
+    evaluations and compiled step times are kept in `base.json`."""
+    from bd_train.stages import RunDir, run_opd, run_sft
+
+    config = study_config(study, seed, output_dir)
+    where = RunDir.create(config, run_id=f"seed{seed}")
+    results = {"teacher": run_sft(config, where, role="teacher")}
+    results["sft"] = run_sft(config, where, role="student")
+    results["opd"] = run_opd(config, where, teacher=results["teacher"], student=results["sft"])
+    record = load(study, seed, "base")
+    for name, result in results.items():
+        entry = record.setdefault(name, {})
+        entry["evaluation"] = _evaluation(result.evaluation)
+        if _per_update(result.seconds) is not None:  # a restored stage took no steps: keep the trained one's
+            entry["seconds_per_step"] = _per_update(result.seconds)
+    save(study, seed, "base", record)
+    return results
+
+
+def _steps(study: str, seed: int, arm: Arm, updates: int) -> tuple[int, float | None]:
+    """The arm's step count at curve point `updates`, and for a control the GRPO seconds it matches."""
+    if arm.matches is None:
+        return updates, None
+    grpo = load(study, seed, arm.matches)
+    per_update = grpo.get("seconds_per_update")
+    if per_update is None:
+        raise SystemExit(f"{arm.matches} has no measured update time for {study} seed {seed}: run it first")
+    stage = "sft" if arm.stage == "sft" else "opd"
+    per_step = load(study, seed, "base")[stage]["seconds_per_step"]
+    return max(1, round(updates * per_update / per_step)), updates * per_update
+
+
+def gradient_cosine(config: dict, checkpoint_dir: str, *, start_dir: str, seed: int, point: int) -> float:
+    """The cosine between the GRPO gradients of two independent rollout batches of the model in
+    `checkpoint_dir` (fresh prompts and rollout keys, the arm's `[grpo]` settings; `start_dir`'s
+    model is the KL reference when `[grpo] beta` > 0)."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from bd_data import iterate, prompt_dataset
+    from bd_train import distribution_score, make_grpo_loss
+    from bd_train.stages import Run, grpo_config, rollout_batch
+
+    run = Run(config)
+    restore = lambda d: run.restore_model(d, run.model_config("student"), run.identity("student"), what=d)  # noqa: E731
+    model = restore(checkpoint_dir)
+    reference = restore(start_dir) if run.config.grpo.beta > 0 else None
+    distribution = run.sampler_config(run.config.grpo.sampler).distribution
+    loss_fn = make_grpo_loss(grpo_config(run), distribution_score(distribution))
+
+    @eqx.filter_jit
+    def grad(model, batch):
+        def value(m):
+            loss = loss_fn(m, batch).loss
+            return loss.numerator / jnp.maximum(loss.denominator, 1.0)
+
+        return jax.tree.leaves(eqx.filter_grad(value)(model))
+
+    prompts = iterate(prompt_dataset(run.source("train"), run.tokenizer, run.config.canvas,
+                                     seed=10_000 + 97 * seed + point, batch_size=run.config.grpo.prompts_per_step,
+                                     shard_index=0, shard_count=1))
+    key = jax.random.key(10_000 + point)
+    g = [jnp.concatenate([x.ravel() for x in grad(model, rollout_batch(run, model, next(prompts),
+                                                                       key=jax.random.fold_in(key, i), mesh=None,
+                                                                       reference=reference)[0])])
+         for i in range(2)]
+    return float(jnp.dot(g[0], g[1]) / (jnp.linalg.norm(g[0]) * jnp.linalg.norm(g[1]) + 1e-30))
+
+
+def run_arm(study: str, seed: int, name: str, updates: list[int], output_dir: Path, results: dict[str, Any]) -> None:
     from bd_train.stages import RunDir, run_grpo, run_opd, run_sft
 
-    config = _config(base, seed, output_dir, {})
-    where = RunDir.create(config, run_id=f"seed{seed}")
-    teacher = run_sft(config, where, role="teacher")
-    student = run_sft(config, where, role="student")
-    opd = run_opd(config, where, teacher=teacher, student=student)
-    row: dict[str, Any] = {name: _metrics(result) for name, result in
-                           (("teacher", teacher), ("student_sft", student), ("student_opd", opd))}
-    for mode, sampler in MODES.items():
-        grpo_config = _config(base, seed, output_dir, sampler)
-        grpo = run_grpo(grpo_config, RunDir.create(grpo_config, run_id=f"seed{seed}-{mode}"), start=opd)
-        row[f"grpo_{mode}"] = _metrics(grpo)
-        row[f"grpo_{mode}_reward_curve"] = [h["reward_mean"] for h in grpo.history if "reward_mean" in h]
-    return row
+    arm = ARMS[name]
+    record = load(study, seed, name)
+    done = {p["updates"] for p in record["points"]}
+    start = results[arm.start]
+    if arm.stage == "grpo" and 0 not in done:  # the start model, for the gradient cosine at 0 updates
+        config = study_config(study, seed, output_dir, arm.sections)
+        cosine = gradient_cosine(config, start.checkpoint_dir, start_dir=start.checkpoint_dir, seed=seed, point=0)
+        record["points"].append({"updates": 0, "evaluation": _evaluation(start.evaluation), "gradient_cosine": cosine})
+        save(study, seed, name, record)
+    for point in sorted(updates):
+        if point in done:
+            continue
+        steps, matched = _steps(study, seed, arm, point)
+        section = {"grpo": "grpo", "opd": "opd", "sft": "sft"}[arm.stage]
+        config = study_config(study, seed, output_dir, arm.sections, {section: {"steps": steps}})
+        where = RunDir.create(config, run_id=f"seed{seed}-{name}")
+        t0 = time.perf_counter()
+        if arm.stage == "grpo":
+            result = run_grpo(config, where, start=start)
+        elif arm.stage == "opd":
+            result = run_opd(config, where, teacher=results["teacher"], student=start)
+        else:
+            result = run_sft(config, where, role="student", start=start)
+        previous = max((p["updates"] for p in record["points"] if p["updates"] < point), default=0)
+        entry: dict[str, Any] = {"updates": point, "steps": steps, "evaluation": _evaluation(result.evaluation),
+                                 "seconds": result.seconds, "wall_seconds": time.perf_counter() - t0}
+        if matched is not None:
+            entry["matched_grpo_seconds"] = matched
+        per_update = _per_update(result.seconds)
+        if arm.stage == "grpo":
+            keys = ("reward_mean", "rollout_accuracy", "entropy", "clip_fraction", "loss")
+            entry["history"] = [{k: row[k] for k in ("step", *keys) if k in row}
+                                for row in result.history if row["step"] > previous]
+            entry["gradient_cosine"] = gradient_cosine(config, result.checkpoint_dir, start_dir=start.checkpoint_dir,
+                                                        seed=seed, point=point)
+            if per_update is not None:  # the longest segment's measure is kept
+                longest = max((p["seconds"]["updates"] for p in record["points"] if "seconds" in p), default=0)
+                if result.seconds["updates"] >= longest:
+                    record["seconds_per_update"] = per_update
+        record["points"].append(entry)
+        record["points"].sort(key=lambda p: p["updates"])
+        save(study, seed, name, record)
+        ev = entry["evaluation"]
+        print(f"{study} seed {seed} {name} @ {point} updates ({steps} steps): accuracy {ev['accuracy']:.3f}, "
+              f"pass@1 {ev.get('pass@1', float('nan')):.3f}, {entry['wall_seconds']:.0f} s", flush=True)
 
 
-def _stats(values) -> str:
+# -- report ---------------------------------------------------------------------------------------
+
+def _mean_sd(values) -> str:
     values = np.asarray(values, np.float64)
-    return f"{values.mean():.3f} ± {values.std(ddof=1) if len(values) > 1 else 0.0:.3f}"
+    sd = values.std(ddof=1) if len(values) > 1 else 0.0
+    return f"{100 * values.mean():+.1f} ± {100 * sd:.1f}"
 
 
-def report(rows: dict[int, dict], seconds: float) -> str:
-    seeds = sorted(rows)
-    acc = lambda name: [rows[s][name]["accuracy"] for s in seeds]  # noqa: E731
-    lines = ["| model | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± sd |",
-             "|---|" + "---|" * (len(seeds) + 1)]
-    names = ["teacher", "student_sft", "student_opd"] + [f"grpo_{m}" for m in MODES]
-    for name in names:
-        lines.append(f"| {name} | " + " | ".join(f"{a:.3f}" for a in acc(name)) + f" | {_stats(acc(name))} |")
-    gap = np.asarray(acc("teacher")) - np.asarray(acc("student_sft"))
-    closed = (np.asarray(acc("student_opd")) - np.asarray(acc("student_sft"))) / np.where(gap == 0, np.nan, gap)
-    lines += ["", f"OPD closes {_stats(closed)} of the teacher–student accuracy gap "
-              f"(per seed: {', '.join(f'{c:.2f}' for c in closed)})."]
-    for mode in MODES:
-        gain = np.asarray(acc(f"grpo_{mode}")) - np.asarray(acc("student_opd"))
-        lines.append(f"GRPO ({mode} rollouts) adds {_stats(gain)} accuracy over OPD "
-                     f"(per seed: {', '.join(f'{g:+.3f}' for g in gain)}; "
-                     f"{int((gain > 0).sum())}/{len(gain)} seeds improve).")
-    lines.append(f"\n{len(seeds)} seeds, {seconds / 60:.0f} min in one process (a stage whose final checkpoint is "
-                 "already in the output folder is restored and evaluated, not trained again). Held-out accuracy: "
-                 "greedy threshold decoding on the preset's `[eval] n` problems, the same before and after each "
-                 "stage.")
+def paired(after: dict, before: dict, key: str = "accuracy") -> tuple[float, float]:
+    """The change in accuracy (or pass@1) over the same problems, and its paired standard error."""
+    if key == "accuracy":
+        a = np.asarray(after["rewards"]) == 1.0
+        b = np.asarray(before["rewards"]) == 1.0
+    else:
+        k = 4
+        a = np.asarray([int(c) for c in after["correct_samples"]]) / k
+        b = np.asarray([int(c) for c in before["correct_samples"]]) / k
+    d = a.astype(np.float64) - b
+    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
+
+
+def collect() -> dict[str, dict[str, dict[int, dict]]]:
+    """{study: {arm: {seed: record}}} of everything on disk."""
+    out: dict[str, dict[str, dict[int, dict]]] = {}
+    for path in sorted(RESULTS.glob("*/seed*/*.json")):
+        study, seed, arm = path.parent.parent.name, int(path.parent.name.removeprefix("seed")), path.stem
+        out.setdefault(study, {}).setdefault(arm, {})[seed] = json.loads(path.read_text())
+    return out
+
+
+def report() -> str:
+    data = collect()
+    lines = []
+    for study, arms in data.items():
+        base = arms.get("base", {})
+        seeds = sorted(base)
+        if not seeds:
+            continue
+        spec = STUDIES[study]
+        changed = f", {json.dumps(spec.sections)}" if spec.sections else ""
+        lines += [f"### `{study}` ({spec.preset}{changed})", "",
+                  "| model | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
+        for name in ("teacher", "sft", "opd"):
+            lines.append(f"| {name} | " + " | ".join(f"{base[s][name]['evaluation']['accuracy']:.3f}"
+                                                       for s in seeds) + " |")
+        lines += ["", "Change in held-out greedy accuracy over the arm's start, in points: per seed (± paired "
+                  "standard error over the 256 problems), then mean ± sd over seeds; pass@1 at the rollout decoding "
+                  "in brackets.", ""]
+        points = sorted({p["updates"] for name, per in arms.items() if name != "base"
+                         for r in per.values() for p in r["points"] if p["updates"] > 0})
+        lines += ["| arm | start | updates | " + " | ".join(f"seed {s}" for s in seeds)
+                  + " | mean ± sd | pass@1 mean |",
+                  "|---|---|---|" + "---|" * (len(seeds) + 2)]
+        for name, per in arms.items():
+            if name == "base":
+                continue
+            arm = ARMS[name]
+            for u in points:
+                row, gains, pgains = [], [], []
+                for s in seeds:
+                    rec = per.get(s, {"points": []})
+                    p = next((p for p in rec["points"] if p["updates"] == u), None)
+                    if p is None:
+                        row.append("—")
+                        continue
+                    before = base[s][arm.start]["evaluation"]
+                    g, se = paired(p["evaluation"], before)
+                    pg, _ = paired(p["evaluation"], before, "pass@1")
+                    gains.append(g)
+                    pgains.append(pg)
+                    row.append(f"{100 * g:+.1f} ± {100 * se:.1f}")
+                if not gains:
+                    continue
+                what = f"{u}" if arm.matches is None else f"≙ {u}"
+                lines.append(f"| {name} | {arm.start} | {what} | " + " | ".join(row)
+                             + f" | {_mean_sd(gains)} ({len(gains)}) | {_mean_sd(pgains)} |")
+        lines.append("")
     return "\n".join(lines)
 
 
-def plot(rows: dict[int, dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    for mode, color in zip(MODES, ("tab:blue", "tab:orange")):
-        for i, seed in enumerate(sorted(rows)):
-            curve = rows[seed][f"grpo_{mode}_reward_curve"]
-            ax.plot(np.arange(1, len(curve) + 1), curve, color=color, alpha=0.7,
-                    label=f"{mode} rollouts" if i == 0 else None)
-    ax.set_xlabel("logged GRPO step")
-    ax.set_ylabel("rollout mean reward")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def main() -> None:
+    global RESULTS
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--config", default=str(ROOT / "flows" / "configs" / "default.toml"))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--output-dir", default=str(ROOT / "runs" / "rl_study"))
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train and evaluate the arms' missing curve points")
+    run.add_argument("--study", choices=list(STUDIES), default="argsort")
+    run.add_argument("--arms", nargs="+", default=["grpo", "opd_more", "sft_more"])
+    run.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    run.add_argument("--updates", type=int, nargs="+", default=[8, 32, 128])
+    run.add_argument("--output-dir", default=str(ROOT / "runs" / "rl_study"))
+    sub.add_parser("report", help="tables and the BENCHMARKS.md section from the results on disk")
+    parser.add_argument("--results", default=str(RESULTS), help="where curve points are kept (default: %(default)s)")
     args = parser.parse_args()
-    base = tomllib.loads(Path(args.config).read_text())
-    start = time.perf_counter()
-    rows = {}
+    RESULTS = Path(args.results)
+    if args.command == "report":
+        body = report()
+        print(body)
+        write_section("rl_study", "## RL study: GRPO against controls (`bench/rl_study.py`)\n\n" + body)
+        return
+    unknown = sorted(set(args.arms) - set(ARMS))
+    if unknown:
+        parser.error(f"--arms: unknown {unknown}; known: {list(ARMS)}")
     for seed in args.seeds:
-        rows[seed] = run_seed(base, seed, Path(args.output_dir))
-        print(f"seed {seed}: " + ", ".join(f"{k} {v['accuracy']:.3f}" for k, v in rows[seed].items()
-                                          if isinstance(v, dict)), flush=True)
-    body = report(rows, time.perf_counter() - start)
-    print(body)
-    write_results("rl_study", {str(s): r for s, r in rows.items()})
-    plot(rows, ROOT / "bench" / "results" / "rl_study.png")
-    write_section("rl_study", f"## RL study: `{Path(args.config).name}`, paired over seeds\n\n{body}\n\n"
-                  "![GRPO rollout reward](bench/results/rl_study.png)")
+        results = chain(args.study, seed, Path(args.output_dir))
+        for name in args.arms:
+            run_arm(args.study, seed, name, args.updates, Path(args.output_dir), results)
 
 
 if __name__ == "__main__":

@@ -97,3 +97,17 @@ def test_partial_credit_is_format_specific():
     add = get_task("addition", digits=3)
     ex = Example("042+317=", "359")
     assert add.reward(ex, "1000") == PARTIAL_CREDIT and add.reward(ex, "10000") == 0.0
+
+
+@pytest.mark.parametrize("name", ["sort", "argsort"])
+def test_positional_credit_scores_the_fraction_of_right_positions(name):
+    exact, positions = get_task(name, seed=1), get_task(name, seed=1, credit="positions")
+    ex = exact.example(0)
+    wrong_last = ex.answer[:-1] + str((int(ex.answer[-1]) + 1) % 10)
+    assert exact.reward(ex, wrong_last) == PARTIAL_CREDIT
+    assert positions.reward(ex, wrong_last) == 5 / 6 and positions.reward(ex, f" {ex.answer}\n") == 1.0
+    assert not positions.is_correct(ex, wrong_last)  # only the exact answer counts as correct
+    # malformed stays 0 whatever the overlap; a long right-looking completion is malformed too
+    assert positions.reward(ex, ex.answer + "0") == 0.0 and positions.reward(ex, ex.answer * 100) == 0.0
+    with pytest.raises(ConfigError, match=r"credit: expected 'form' or 'positions', got 'half'"):
+        get_task(name, credit="half")

@@ -77,8 +77,8 @@ def test_accumulated_adapter_gradients_equal_the_one_batch_gradients(batch_facto
     whole, _ = one.step(one.init(model, key=jax.random.key(0)), batch)
     if streaming:
         split = Trainer(sft_objective, optax.sgd(1.0), TrainerConfig(streaming=True))
-        state = split.init(model, key=jax.random.key(0))
         halves = [jax.tree.map(lambda x, s=s: x[s], batch) for s in (slice(0, 4), slice(4, 8))]
+        state = split.init(model, key=jax.random.key(0), microbatch=halves[0])
         state, _ = split.step(state, halves[0], is_update_step=False)
         state, _ = split.step(state, halves[1])
     else:

@@ -136,7 +136,7 @@ def test_streaming_accumulation_matches_scan(toy_model, batch_factory):
     scan = Trainer(sft_objective, optimizer, TrainerConfig(microbatches=3))
     scan_state = scan.init(model, key=jax.random.key(0))
     streaming = Trainer(sft_objective, optimizer, TrainerConfig(streaming=True))
-    stream_state = streaming.init(model, key=jax.random.key(0))
+    stream_state = streaming.init(model, key=jax.random.key(0), microbatch=batches[0])
     for batch in batches:
         stacked = split_microbatches(batch, 3)
         scan_state, scan_metrics = scan.step_microbatches(scan_state, stacked)
@@ -168,7 +168,7 @@ def test_streaming_metrics_cover_the_whole_update(toy_model, batch_factory):
     scan = Trainer(_sft_with_max_and_plain, _gradient_probe())
     _, expected = scan.step_microbatches(scan.init(model, key=jax.random.key(0)), stacked)
     streaming = Trainer(_sft_with_max_and_plain, _gradient_probe(), TrainerConfig(streaming=True))
-    state = streaming.init(model, key=jax.random.key(0))
+    state = streaming.init(model, key=jax.random.key(0), microbatch=jax.tree.map(lambda x: x[0], stacked))
     for a, b in [(0, 2), (2, 3), (3, 4)]:
         part = jax.tree.map(lambda x, a=a, b=b: x[a:b], stacked)
         state, metrics = streaming.step_microbatches(state, part, is_update_step=b == 4)
@@ -193,14 +193,15 @@ def test_streaming_state_resumes_from_a_checkpoint(tmp_path, toy_model, batch_fa
         state, _ = trainer.step_microbatches(state, jax.tree.map(lambda x: x[:2], stacked), is_update_step=False)
         return trainer.step_microbatches(state, jax.tree.map(lambda x: x[2:], stacked))
 
-    state, _ = update(trainer.init(model, key=jax.random.key(0)), batches[0])
+    like = jax.tree.map(lambda x: x[0], batches[0])
+    state, _ = update(trainer.init(model, key=jax.random.key(0), microbatch=like), batches[0])
     with Checkpointer(tmp_path) as checkpoints:
         partial, _ = trainer.step_microbatches(state, batches[1], is_update_step=False)
         with pytest.raises(CheckpointError, match="partly accumulated"):
             checkpoints.save(partial)
         checkpoints.save(state)
         checkpoints.wait()
-        restored = checkpoints.restore(trainer.init(model, key=jax.random.key(0)))
+        restored = checkpoints.restore(trainer.init(model, key=jax.random.key(0), microbatch=like))
     expected_state, expected = update(state, batches[1])
     resumed_state, metrics = update(restored, batches[1])
     assert jax.tree.map(float, metrics) == jax.tree.map(float, expected)
@@ -224,8 +225,9 @@ def _tagged_loss(model, data, key):
 
 def test_streaming_refuses_loss_settings_that_change_within_an_update(toy_model, batch_factory):
     trainer = Trainer(_tagged_loss, _gradient_probe(), TrainerConfig(streaming=True))
-    state = trainer.init(toy_model(key=jax.random.key(12)), key=jax.random.key(0))
     first, second = (split_microbatches(batch_factory(70 + i, rows=4), 2) for i in range(2))
+    like = _Tagged(jax.tree.map(lambda x: x[0], first), eps=1e-6)
+    state = trainer.init(toy_model(key=jax.random.key(12)), key=jax.random.key(0), microbatch=like)
     state, _ = trainer.step_microbatches(state, _Tagged(first, eps=1e-6), is_update_step=False)
     with pytest.raises(MetricError, match=r"eps=0\.001, min_denom=None.*eps=1e-06, min_denom=None"):
         trainer.step_microbatches(state, _Tagged(second, eps=1e-3))
@@ -233,10 +235,43 @@ def test_streaming_refuses_loss_settings_that_change_within_an_update(toy_model,
         trainer.step_microbatches(state, _Tagged(second, eps=1e-6, aux_key="accuracy"))
     state, metrics = trainer.step_microbatches(state, _Tagged(second, eps=1e-6))
     assert float(metrics["update_applied"]) == 1.0
-    # A new update may use other settings: only the calls of one update must agree.
-    state, _ = trainer.step_microbatches(state, _Tagged(first, eps=1e-3), is_update_step=False)
-    state, metrics = trainer.step_microbatches(state, _Tagged(second, eps=1e-3))
+    # The settings are the state's, fixed at init (they shape its accumulator): a later update
+    # that changes them is refused too, before anything is added.
+    with pytest.raises(MetricError, match=r"eps=0\.001, min_denom=None.*eps=1e-06, min_denom=None"):
+        trainer.step_microbatches(state, _Tagged(first, eps=1e-3), is_update_step=False)
+    state, metrics = trainer.step_microbatches(state, _Tagged(second, eps=1e-6))
     assert float(metrics["update_applied"]) == 1.0 and int(state.step) == 2
+
+
+def test_a_streaming_trainer_needs_a_microbatch_to_shape_its_state(toy_model):
+    trainer = Trainer(sft_objective, optax.sgd(0.1), TrainerConfig(streaming=True))
+    with pytest.raises(ValueError, match="needs microbatch="):
+        trainer.init(toy_model(key=jax.random.key(0)), key=jax.random.key(0))
+
+
+def test_a_streamed_update_compiles_two_programs_and_keeps_the_init_structure(toy_model, batch_factory):
+    """Accumulate and apply are the only programs of a streamed update, from the first call on,
+    and the state has `init`'s pytree structure (and shapes) at every call: a restore target or an
+    ahead-of-time plan made from `init` describes it."""
+    traces = []
+
+    class Counting(Trainer):
+        def _train_impl(self, state, batch, is_update_step, presplit):
+            traces.append(is_update_step)
+            return super()._train_impl(state, batch, is_update_step, presplit)
+
+    trainer = Counting(_sft_with_max_and_plain, _gradient_probe(), TrainerConfig(streaming=True))
+    parts = [split_microbatches(batch_factory(90 + i, rows=6), 2) for i in range(3)]
+    state = trainer.init(toy_model(key=jax.random.key(3)), key=jax.random.key(0),
+                         microbatch=jax.tree.map(lambda x: x[0], parts[0]))
+    structure = jax.tree.structure(state)
+    shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state)
+    for _ in range(2):
+        for call, part in enumerate(parts):
+            state, _ = trainer.step_microbatches(state, part, is_update_step=call == 2)
+            assert jax.tree.structure(state) == structure
+            assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == shapes
+    assert sorted(traces) == [False, True] and int(state.step) == 2
 
 
 def test_streaming_without_accumulator_is_refused(toy_model, batch_factory):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import re
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import numpy as np
 
@@ -47,10 +47,34 @@ class PatternTask(GeneratedTask):
 
 
 @dataclasses.dataclass(frozen=True)
-class SortTask(PatternTask):
-    """`"315926="` → `"123569"`: sort a compact digit string."""
+class PositionalTask(PatternTask):
+    """A pattern task whose answer is `length` digits, each right or wrong on its own. `credit`:
+    `"form"` — a well-formed wrong answer earns PARTIAL_CREDIT; `"positions"` — it earns the
+    fraction of its positions that are right (below 1, since one is wrong), a denser reward."""
 
     length: int = 6
+    credit: Literal["form", "positions"] = "form"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.credit not in ("form", "positions"):
+            raise config_error(type(self).__name__, "credit", self.credit, "'form' or 'positions'")
+
+    def _answer_pattern(self):
+        return f"[0-9]{{{self.length}}}"
+
+    def reward(self, example: Example, completion: str) -> float:
+        score = super().reward(example, completion)
+        if self.credit == "form" or score != PARTIAL_CREDIT:
+            return score
+        text = completion.strip()  # well formed: exactly `length` digits, as is the answer
+        return sum(a == b for a, b in zip(text, example.answer)) / self.length
+
+
+@dataclasses.dataclass(frozen=True)
+class SortTask(PositionalTask):
+    """`"315926="` → `"123569"`: sort a compact digit string."""
+
     name: ClassVar[str] = "sort"
 
     def __post_init__(self):
@@ -61,15 +85,11 @@ class SortTask(PatternTask):
         digits = rng.integers(0, 10, self.length)
         return "".join(map(str, digits)) + "=", "".join(map(str, np.sort(digits)))
 
-    def _answer_pattern(self):
-        return f"[0-9]{{{self.length}}}"
-
 
 @dataclasses.dataclass(frozen=True)
-class ArgsortTask(PatternTask):
+class ArgsortTask(PositionalTask):
     """`"315926="` → `"140253"`: the positions of a stable ascending sort."""
 
-    length: int = 6
     name: ClassVar[str] = "argsort"
 
     def __post_init__(self):
@@ -80,9 +100,6 @@ class ArgsortTask(PatternTask):
         digits = rng.integers(0, 10, self.length)
         order = np.argsort(digits, kind="stable")
         return "".join(map(str, digits)) + "=", "".join(map(str, order))
-
-    def _answer_pattern(self):
-        return f"[0-9]{{{self.length}}}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ batch, padded with zero-weight rows, gives the gradient of the whole batch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,8 +28,11 @@ class Accumulated(eqx.Module):
     `metrics`. The one accumulator type: `accumulate` returns it for the microbatches of one
     call, and a streaming `TrainState` carries it across calls.
 
-    `aux` is None until something is added (`zeros`); the first addition fixes the aux keys and
-    the loss's `eps`/`min_denom`, and every later addition must report the same ones."""
+    `zeros(params)` has `aux` None: the first addition then fixes the aux keys and the loss's
+    `eps`/`min_denom`. `zeros(params, like=...)` fixes them up front from one microbatch's
+    `LossOutput` (or its shapes), so that the accumulator has one pytree structure from the start:
+    a streaming train state is then the same program input at every call. Every addition must
+    report the keys and settings fixed."""
 
     grads: Any
     loss: WeightedMetric
@@ -36,9 +40,19 @@ class Accumulated(eqx.Module):
     aux: dict[str, Any] | None
 
     @classmethod
-    def zeros(cls, params: Any) -> Accumulated:
+    def zeros(cls, params: Any, like: LossOutput | None = None) -> Accumulated:
         zero = jnp.zeros((), jnp.float32)
-        return cls(zeros_like_grads(params), WeightedMetric(zero, zero), jnp.zeros((), jnp.int32), None)
+        if like is None:
+            return cls(zeros_like_grads(params), WeightedMetric(zero, zero), jnp.zeros((), jnp.int32), None)
+        loss = WeightedMetric(zero, zero, like.loss.eps, like.loss.min_denom)
+        return cls(zeros_like_grads(params), loss, jnp.zeros((), jnp.int32), _aux_zeros(like.aux))
+
+    def emptied(self) -> Accumulated:
+        """Zero sums of the same structure (the accumulator after an update)."""
+        zero = jnp.zeros((), jnp.float32)
+        return Accumulated(jax.tree_util.tree_map(jnp.zeros_like, self.grads),
+                           dataclasses.replace(self.loss, numerator=zero, denominator=zero), jnp.zeros((), jnp.int32),
+                           None if self.aux is None else _aux_zeros(self.aux))
 
     def __add__(self, other: Accumulated) -> Accumulated:
         if other.aux is None:
@@ -60,6 +74,20 @@ class Accumulated(eqx.Module):
         aux = {key: value if isinstance(value, (WeightedMetric, MaxMetric)) else value / self.count
                for key, value in (self.aux or {}).items()}
         return reduce_metrics({"loss": self.loss, **aux})
+
+
+def _aux_zeros(aux: dict[str, Any]) -> dict[str, Any]:
+    """Empty float32 sums of `aux`'s keys and kinds: what adding no microbatch gives."""
+    zero = jnp.zeros((), jnp.float32)
+
+    def empty(value):
+        if isinstance(value, WeightedMetric):
+            return WeightedMetric(zero, zero, value.eps, value.min_denom)
+        if isinstance(value, MaxMetric):
+            return MaxMetric(jnp.full((), -jnp.inf, jnp.float32))
+        return zero
+
+    return {key: empty(value) for key, value in aux.items()}
 
 
 def _settings(metric: WeightedMetric) -> str:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from bd_core import as_loss_output, config_error, reduce_metrics
+from bd_core import LossOutput, as_loss_output, config_error, reduce_metrics
 from bd_models import trainable_filter
 
 from ._accumulate import Accumulated, LossFn, accumulate, interleave_microbatches, microbatch_key, normalize
@@ -63,13 +63,14 @@ class TrainState(eqx.Module):
 
     @classmethod
     def init(cls, model: Any, optimizer: optax.GradientTransformation, *, key: jax.Array,
-             streaming: bool = False) -> TrainState:
+             streaming: bool = False, like: LossOutput | None = None) -> TrainState:
         """A fresh state; `streaming=True` carries an `Accumulated` across calls with
-        `is_update_step=False`."""
+        `is_update_step=False`, its metrics shaped by `like` (one microbatch's `LossOutput` or its
+        shapes; `Trainer.init` computes it) so that the state keeps one structure at every call."""
         params = eqx.filter(model, trainable_filter(model))
         zero = jnp.zeros((), jnp.int32)
         return cls(step=zero, model=model, opt_state=optimizer.init(params), key=key, nonfinite_total=zero,
-                   nonfinite_streak=zero, accumulator=Accumulated.zeros(params) if streaming else None,
+                   nonfinite_streak=zero, accumulator=Accumulated.zeros(params, like) if streaming else None,
                    optimizer=optimizer)
 
     @property
@@ -107,9 +108,19 @@ class Trainer:
         self._train = eqx.filter_jit(self._train_impl)
         self._eval = eqx.filter_jit(self._eval_impl)
 
-    def init(self, model: Any, *, key: jax.Array) -> TrainState:
-        """`TrainState.init` with this trainer's optimizer and streaming setting."""
-        return TrainState.init(model, self.optimizer, key=key, streaming=self.config.streaming)
+    def init(self, model: Any, *, key: jax.Array, microbatch: Any = None) -> TrainState:
+        """`TrainState.init` with this trainer's optimizer and streaming setting. A streaming
+        trainer needs `microbatch` (one microbatch as the loss sees it, arrays or
+        `jax.ShapeDtypeStruct`s) to shape its accumulator's metrics: the state then has one
+        structure at every call, so an update compiles two programs (accumulate, apply)."""
+        if not self.config.streaming:
+            return TrainState.init(model, self.optimizer, key=key)
+        if microbatch is None:
+            raise ValueError("Trainer.init: a streaming trainer (TrainerConfig(streaming=True)) needs microbatch= "
+                             "(one microbatch of the batches it will take, or its jax.ShapeDtypeStructs) to shape "
+                             "the accumulated metrics")
+        like = eqx.filter_eval_shape(lambda m, b, k: as_loss_output(self.loss_fn(m, b, k)), model, microbatch, key)
+        return TrainState.init(model, self.optimizer, key=key, streaming=True, like=like)
 
     # -- train -------------------------------------------------------------------------------------
 
@@ -191,7 +202,7 @@ class Trainer:
             opt_state=new_opt_state,
             nonfinite_total=state.nonfinite_total + nonfinite,
             nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + 1),
-            accumulator=None if acc is None else Accumulated.zeros(params),
+            accumulator=None if acc is None else out.emptied(),
         )
         metrics.update(
             grad_norm=grad_norm,

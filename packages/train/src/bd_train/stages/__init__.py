@@ -42,6 +42,8 @@ from ._summary import summarize as summarize
 from ._summary import summary_curve_png as summary_curve_png
 from ._summary import trained_text as trained_text
 from ._tracking import Tracker as Tracker
+from .grpo import grpo_config as grpo_config
+from .grpo import rollout_batch as rollout_batch
 from .grpo import run_grpo as run_grpo
 from .opd import run_opd as run_opd
 from .sft import run_sft as run_sft

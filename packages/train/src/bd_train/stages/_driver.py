@@ -65,6 +65,10 @@ class StageResult:
     wandb_run_dir: str | None = None
     export_dir: str | None = None  # the Hugging Face export (`[run] export = true`)
     params: dict[str, int] | None = None  # {"trained": ..., "total": ...}: LoRA trains a fraction
+    # Wall-clock of this call: `updates` taken, `train` (all of them, saves included), `first`
+    # (the first, which compiles) and `eval` seconds; `(train - first) / (updates - 1)` is the
+    # compiled update's time.
+    seconds: dict[str, float] | None = None
 
     @property
     def fingerprint(self) -> Fingerprint:
@@ -116,6 +120,7 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
     with tracker_for(run, spec.name) as tracker:
         bar = None  # made after the first update, which compiles: its time would skew the bar's rate and ETA
         begun = time.perf_counter()
+        seconds = {"updates": 0.0, "train": 0.0, "first": 0.0, "eval": 0.0}
 
         def on_update(state: TrainState, metrics: dict) -> None:
             nonlocal bar
@@ -131,8 +136,10 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             if step % cfg.run.log_every == 0 or step >= spec.total:
                 tracker.log(row, step=step)
             postfix = {k: f"{row[k]:.3g}" for k in ("loss", "reward_mean") if k in row}
+            seconds["updates"] += 1
             if bar is None:
-                print(f"{spec.name}: compiled; the first step took {time.perf_counter() - begun:.1f} s "
+                seconds["first"] = time.perf_counter() - begun
+                print(f"{spec.name}: compiled; the first step took {seconds['first']:.1f} s "
                       "(left out of the progress bar's rate and ETA)", file=sys.stderr)
                 bar = progress(total=(spec.total - start) // spec.updates_per_step, description=spec.name,
                                initial=1, postfix=postfix)
@@ -150,6 +157,7 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             finally:
                 if bar is not None:
                     bar.close()
+            seconds["train"] = time.perf_counter() - begun
             if preempted:
                 raise StageError(f"{spec.name}: stopped by SIGTERM at step {int(state.step)}; the checkpoint is "
                                  f"saved in {directory}; run `resume` to continue")
@@ -159,8 +167,10 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
                   + (", then exporting" if cfg.run.export else "") + " ...", file=sys.stderr)
             # adapters merged: the model the next stage (and `evaluate`) restores, bit for bit
             model = merge(state.model)
+            evaluated = time.perf_counter()
             evaluation = evaluate_report(model, run, key=spec.eval_key,
                                          title=f"{spec.role} after {spec.title}", mesh=spec.mesh)
+            seconds["eval"] = time.perf_counter() - evaluated
             export = run.export(model, spec.name, spec.role) if cfg.run.export else None
         log_evaluation(tracker, evaluation, step=spec.total)
         tracker.summary({f"params_{k}": v for k, v in count_params(state.model).items()})
@@ -168,7 +178,7 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
                        identity=spec.fingerprints["identity"].to_json(), history=history, evaluation=evaluation,
                        curves_png=curves_png(history, spec.curves, title=f"{spec.title} ({spec.role})"),
                        wandb_run_dir=str(tracker.run_dir), export_dir=None if export is None else str(export),
-                       params=count_params(state.model))
+                       params=count_params(state.model), seconds=seconds)
 
 
 def tracker_for(run: Run, stage: str) -> Tracker:

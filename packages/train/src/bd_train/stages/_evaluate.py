@@ -69,6 +69,10 @@ class Evaluation:
     samples_per_problem: int = 0
     accuracy_vs_nfe: tuple[NFEPoint, ...] = ()
     curve_png: bytes | None = dataclasses.field(default=None, repr=False)
+    # Per problem, in `eval_examples` order: the greedy reward, and how many of the pass@k samples
+    # were correct; two models evaluated on the same problems compare pairwise through them.
+    rewards: tuple[float, ...] = dataclasses.field(default=(), repr=False)
+    correct_samples: tuple[int, ...] = dataclasses.field(default=(), repr=False)
 
     def metrics(self) -> dict[str, float | int]:
         """The numbers, by name (for tracking, tables and JSON)."""
@@ -152,19 +156,29 @@ def evaluate(model: Any, run: Run, *, key: jax.Array, title: str = "", mesh: jax
     rewards = decoded.rewards
     return Evaluation(accuracy=float(np.mean(rewards == 1.0)), mean_reward=float(np.mean(rewards)),
                       n=int(len(rewards)), nfe_per_token=decoded.nfe_per_token,
-                      generated_tokens=float(np.mean(decoded.generated)), samples=samples, trace_png=picture)
+                      generated_tokens=float(np.mean(decoded.generated)), samples=samples, trace_png=picture,
+                      rewards=tuple(rewards.tolist()))
 
 
 def sampled_pass_at_k(model: Any, run: Run, samples: int, *, key: jax.Array,
                       mesh: jax.sharding.Mesh | None = None) -> dict[str, float]:
     """pass@k for k = 1, 2, 4, ... ≤ `samples`, from `samples` rollouts per eval problem at the
     rollout decoding (`[grpo] sampler`), averaged over the problems."""
+    return _pass_at_k(sampled_correct(model, run, samples, key=key, mesh=mesh), samples)
+
+
+def _pass_at_k(correct: np.ndarray, samples: int) -> dict[str, float]:
+    ks = [k for k in (2 ** i for i in range(samples.bit_length())) if k <= samples]
+    return {f"pass@{k}": float(np.mean([pass_at_k(samples, int(c), k) for c in correct])) for k in ks}
+
+
+def sampled_correct(model: Any, run: Run, samples: int, *, key: jax.Array,
+                    mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
+    """How many of `samples` rollouts per eval problem (at `[grpo] sampler`) were correct."""
     examples = eval_examples(run)
     repeated = [e for e in examples for _ in range(samples)]
     decoded = _decode(model, run, repeated, run.sampler_config(run.config.grpo.sampler), key=key, mesh=mesh)
-    correct = (decoded.rewards.reshape(len(examples), samples) == 1.0).sum(axis=1)
-    ks = [k for k in (2 ** i for i in range(samples.bit_length())) if k <= samples]
-    return {f"pass@{k}": float(np.mean([pass_at_k(samples, int(c), k) for c in correct])) for k in ks}
+    return (decoded.rewards.reshape(len(examples), samples) == 1.0).sum(axis=1)
 
 
 def decoding_settings(sampler: SamplerSection, thresholds: Sequence[float]) -> list[tuple[str, SamplerSection]]:
@@ -213,9 +227,10 @@ def evaluate_report(model: Any, run: Run, *, key: jax.Array, title: str = "", me
     samples = section.samples if samples is None else samples
     thresholds = section.thresholds if thresholds is None else thresholds
     greedy = evaluate(model, run, key=key, title=title, mesh=mesh)
-    passes = sampled_pass_at_k(model, run, samples, key=key, mesh=mesh) if samples else {}
+    correct = sampled_correct(model, run, samples, key=key, mesh=mesh) if samples else np.zeros(0, np.int64)
     curve = accuracy_vs_nfe(model, run, thresholds, key=key, mesh=mesh, timed=timed, known=greedy) if thresholds else ()
     picture = accuracy_nfe_png({title or "model": [dataclasses.asdict(p) for p in curve]},
                                title=f"{title} accuracy vs NFE".strip()) if curve else None
-    return dataclasses.replace(greedy, pass_at_k=passes, samples_per_problem=samples, accuracy_vs_nfe=curve,
-                               curve_png=picture)
+    return dataclasses.replace(greedy, pass_at_k=_pass_at_k(correct, samples) if samples else {},
+                               samples_per_problem=samples, accuracy_vs_nfe=curve, curve_png=picture,
+                               correct_samples=tuple(int(c) for c in correct))

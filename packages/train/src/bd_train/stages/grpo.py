@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from bd_data import PromptBatch
 from bd_models import token_logprobs
 
 from .._grpo import GRPOBatch, GRPOConfig, compute_advantages, distribution_score, make_grpo_loss
@@ -18,7 +19,7 @@ from .._optim import make_optimizer
 from .._replay import build_replay, replay_capacity
 from .._trainer import Trainer
 from ._driver import StageResult, StageSpec, drive
-from ._rollout import on_mesh, roll_out
+from ._rollout import Rollouts, on_mesh, roll_out
 from ._run import Run, RunDir
 
 GRPO_CURVES = ("reward_mean", "rollout_accuracy", "loss", "clip_fraction", "kl", "entropy")
@@ -32,9 +33,9 @@ def _reference_logprobs(model, batch, distribution):
 def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int | None = None) -> StageResult:
     run = Run(config, where)
     run.enable_compilation_cache()
-    cfg, section, group = run.config, run.config.grpo, run.config.grpo.group_size
+    section = run.config.grpo
     identity = run.identity("student")
-    mesh = run.mesh(run.model_config("student"), batch_size=section.prompts_per_step * group)
+    mesh = run.mesh(run.model_config("student"), batch_size=section.prompts_per_step * section.group_size)
     model = run.restore_model(start.checkpoint_dir, run.model_config("student"), identity,
                               what="student checkpoint after OPD", mesh=mesh)
     lora = run.lora("student", "grpo")
@@ -45,9 +46,7 @@ def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int 
     if lora is not None:
         model = run.adapt(model, lora, "grpo")
     sampler = run.sampler_config(section.sampler)
-    grpo = GRPOConfig(advantage=section.advantage, ratio=section.ratio, aggregation=section.aggregation,
-                      epsilon_low=section.epsilon_low, epsilon_high=section.epsilon_high, beta=section.beta,
-                      norm_length=cfg.canvas.max_new_tokens)
+    grpo = grpo_config(run)
     total = section.steps * section.updates_per_rollout
     optimizer = run.optimizer_config(section.optim, total)
     trainer = Trainer(make_grpo_loss(grpo, distribution_score(sampler.distribution)), make_optimizer(optimizer))
@@ -56,20 +55,12 @@ def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int 
     prompts = run.prompts("grpo", section.prompts_per_step)
 
     def step_fn(state, step):
-        batch = next(prompts)
-        repeat = lambda x: np.repeat(x, group, 0)  # noqa: E731
-        out = roll_out(state.model, (repeat(batch.tokens), repeat(batch.valid)),
-                       [e for e in batch.examples for _ in range(group)], sampler, tokenizer=run.tokenizer,
-                       reward=run.reward, key=jax.random.fold_in(keys["rollout"], step), mesh=mesh)
-        replay = build_replay(out.rollout, mask_id=run.tokenizer.mask_id, num_views=replay_capacity(sampler))
-        ref_logp = None if reference is None else _reference_logprobs(reference, replay.batch, sampler.distribution)
-        advantages = compute_advantages(out.rewards.astype(np.float32), group, section.advantage,
-                                        eps=grpo.advantage_eps)
-        grpo_batch = on_mesh(GRPOBatch(replay.batch, replay.recorded_logprobs, advantages, ref_logp), mesh)
-        state, first = trainer.step(state, grpo_batch)
+        batch, out = rollout_batch(run, state.model, next(prompts), key=jax.random.fold_in(keys["rollout"], step),
+                                   mesh=mesh, reference=reference)
+        state, first = trainer.step(state, batch)
         metrics = first
         for _ in range(section.updates_per_rollout - 1):
-            state, metrics = trainer.step(state, grpo_batch)
+            state, metrics = trainer.step(state, batch)
         return state, {**metrics, "ratio_first_update": first["ratio_mean"],
                        "clip_fraction_first_update": first["clip_fraction"], **out.metrics()}
 
@@ -78,3 +69,29 @@ def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int 
                       "training": run.training("grpo"), **adapters},
                      optimizer.learning_rate_schedule(), GRPO_CURVES, keys["eval"], mesh, section.updates_per_rollout)
     return drive(run, spec, state, step_fn, prompts, fail_after=fail_after)
+
+
+def grpo_config(run: Run) -> GRPOConfig:
+    """The objective `[grpo]` configures."""
+    section = run.config.grpo
+    return GRPOConfig(advantage=section.advantage, ratio=section.ratio, aggregation=section.aggregation,
+                      epsilon_low=section.epsilon_low, epsilon_high=section.epsilon_high, beta=section.beta,
+                      norm_length=run.config.canvas.max_new_tokens)
+
+
+def rollout_batch(run: Run, model: Any, prompts: PromptBatch, *, key: jax.Array, mesh: jax.sharding.Mesh | None,
+                  reference: Any = None) -> tuple[GRPOBatch, Rollouts]:
+    """One GRPO batch: `[grpo] group_size` rollouts of each prompt by `model` at `[grpo] sampler`,
+    scored, replayed and given group advantages (and the `reference` model's log-probs when given),
+    placed on the mesh; with the rollouts themselves."""
+    section, group = run.config.grpo, run.config.grpo.group_size
+    sampler = run.sampler_config(section.sampler)
+    repeat = lambda x: np.repeat(x, group, 0)  # noqa: E731
+    out = roll_out(model, (repeat(prompts.tokens), repeat(prompts.valid)),
+                   [e for e in prompts.examples for _ in range(group)], sampler, tokenizer=run.tokenizer,
+                   reward=run.reward, key=key, mesh=mesh)
+    replay = build_replay(out.rollout, mask_id=run.tokenizer.mask_id, num_views=replay_capacity(sampler))
+    ref_logp = None if reference is None else _reference_logprobs(reference, replay.batch, sampler.distribution)
+    advantages = compute_advantages(out.rewards.astype(np.float32), group, section.advantage,
+                                    eps=grpo_config(run).advantage_eps)
+    return on_mesh(GRPOBatch(replay.batch, replay.recorded_logprobs, advantages, ref_logp), mesh), out

@@ -1,7 +1,8 @@
 """Stage 1: supervised masked-diffusion fine-tuning of the teacher or the student.
 
 Resumable (continues from its latest checkpoint), tracked (one W&B run), and evaluated on the
-held-out split. A role may instead adopt an existing SFT checkpoint (`[teacher] checkpoint = ...`).
+held-out split. A role may instead adopt an existing SFT checkpoint (`[teacher] checkpoint = ...`),
+and SFT may continue from any stage's model (`start=`: e.g. more SFT after OPD, as a control).
 """
 
 from __future__ import annotations
@@ -10,29 +11,33 @@ from typing import Any
 
 import jax
 
-from bd_core import require_compatible
+from bd_core import fingerprint, require_compatible
 from bd_models import ModelConfig
 
 from .._optim import make_optimizer
 from .._sft import sft_objective
-from .._trainer import Trainer, TrainerConfig
+from .._trainer import Trainer, TrainerConfig, TrainState
 from ._compat import SHARED_IDENTITY_KEYS, saved_identity
 from ._driver import StageResult, StageSpec, drive, mesh_scope
 from ._evaluate import evaluate
 from ._rollout import on_mesh
-from ._run import ROLES, Run, RunDir, StageError
+from ._run import ROLES, Run, RunDir, StageError, committed
 
 SFT_CURVES = ("loss", "grad_norm")
 
 
-def run_sft(config: Any, where: RunDir, *, role: str, fail_after: int | None = None) -> StageResult:
-    """Train (or adopt) the `role` model; returns its checkpoint, identity, history and eval."""
+def run_sft(config: Any, where: RunDir, *, role: str, start: StageResult | None = None,
+            fail_after: int | None = None) -> StageResult:
+    """Train (or adopt) the `role` model; returns its checkpoint, identity, history and eval.
+
+    `start`: train on from that stage's model (its weights, a fresh optimizer) instead of the
+    configured initialization; its checkpoint folder is pinned with the stage's settings."""
     if role not in ROLES:
         raise StageError(f"run_sft: role must be one of {ROLES}, got {role!r}")
     run = Run(config, where)
     run.enable_compilation_cache()
     cfg, stage = run.config, f"sft-{role}"
-    if getattr(cfg, role).checkpoint:
+    if getattr(cfg, role).checkpoint and start is None:
         return adopt(run, role)
     steps = cfg.sft.steps_for(role)
     keys = run.keys(stage, "init", "eval")
@@ -40,7 +45,13 @@ def run_sft(config: Any, where: RunDir, *, role: str, fail_after: int | None = N
     mesh = run.mesh(model_config, batch_size=cfg.sft.batch_size // cfg.sft.microbatches)
     optimizer = run.optimizer_config(cfg.sft.optim, steps)
     trainer = Trainer(sft_objective, make_optimizer(optimizer), TrainerConfig(microbatches=cfg.sft.microbatches))
-    state = run.initial_state(role, model_config, trainer.optimizer, key=keys["init"], mesh=mesh)
+    if start is None:
+        state = run.initial_state(role, model_config, trainer.optimizer, key=keys["init"], mesh=mesh)
+    else:
+        model = run.restore_model(start.checkpoint_dir, model_config, run.identity(role),
+                                  what=f"the {start.stage} checkpoint SFT starts from", mesh=mesh)
+        state = TrainState.init(model, trainer.optimizer, key=jax.random.split(keys["init"])[1])
+        state = state if mesh is not None else committed(state)
     data = run.sft_batches(stage)
 
     def step_fn(state, step):
@@ -49,7 +60,8 @@ def run_sft(config: Any, where: RunDir, *, role: str, fail_after: int | None = N
         return state, dict(metrics, tokens=float(batch.denom_weights.sum()))
 
     pinned = {"identity": run.identity(role), "training": run.training(stage),
-              **run.adapters_pin(state.model, run.lora(role, "sft"), {"pretrained": role})}
+              **run.adapters_pin(state.model, run.lora(role, "sft"), {"pretrained": role}),
+              **({} if start is None else {"start": fingerprint({"checkpoint": start.checkpoint_dir})})}
     spec = StageSpec(stage, role, "SFT", steps, pinned, optimizer.learning_rate_schedule(), SFT_CURVES, keys["eval"],
                      mesh)
     return drive(run, spec, state, step_fn, data, fail_after=fail_after)
