@@ -13,7 +13,7 @@ RUN := $(UV) run --no-sync
 export GLIBC_TUNABLES := $(if $(findstring glibc.malloc.hugetlb=,$(GLIBC_TUNABLES)),$(GLIBC_TUNABLES),$(if $(GLIBC_TUNABLES),$(GLIBC_TUNABLES):)glibc.malloc.hugetlb=1)
 PKG_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml)
 
-.PHONY: sync test lint run bench bench-gpu clean interop
+.PHONY: sync test lint run bench bench-gpu clean interop plan plan-env
 sync: .venv/.synced
 
 $(UV):
@@ -30,7 +30,7 @@ $(UV):
 PRESETS := $(sort $(basename $(notdir $(wildcard flows/configs/*.toml))))
 ifneq ($(strip $(PRESET)),)
 PRESET_FILE := $(firstword $(filter %.toml,$(wildcard $(PRESET) flows/configs/$(PRESET:.toml=).toml)))
-ifneq ($(filter run,$(MAKECMDGOALS)),)
+ifneq ($(filter run plan,$(MAKECMDGOALS)),)
 ifeq ($(PRESET_FILE),)
 $(error PRESET=$(PRESET): no such preset; give a name in flows/configs/ ($(PRESETS)) or the path of a .toml file)
 endif
@@ -57,7 +57,22 @@ lint: sync
 	$(RUN) pyright
 
 clean:
-	rm -rf .venv .tools .interop
+	rm -rf .venv .tools .interop .plan
+
+# Ahead-of-time plans for TPU slices (bd_train.plan: every stage compiled for a topology from shapes,
+# memory per chip and the compiler's cost) need libtpu's compiler: their own venv .plan/ holds
+# jax[tpu] (about 1 GB) beside the workspace packages; .venv never does. No TPU is needed.
+plan-env: .plan/.synced
+.plan/.synced: $(PKG_FILES) | $(UV)
+	test -x .plan/bin/python || $(UV) venv --quiet --python $(PYTHON) .plan
+	$(UV) pip install --quiet --python .plan/bin/python -e packages/core -e packages/data -e packages/models \
+	  -e "packages/train[tpu]"
+	@touch $@
+
+# make plan PRESET=sdar_8b TOPOLOGY=v5p:2x2x4 [PLAN_ARGS="--mesh data=2,fsdp=8 --stage grpo"]
+TOPOLOGY ?= v5e:2x4
+plan: plan-env
+	.plan/bin/python -m bd_train.plan $(PRESET_FILE) --topology $(TOPOLOGY) $(PLAN_ARGS)
 
 # Opt-in: bdlm against transformers itself (logits of the committed fixtures, and transformers
 # loading bdlm's exports), in a separate venv with torch (CPU) and transformers; never in .venv.

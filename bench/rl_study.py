@@ -10,7 +10,7 @@ rollouts' reward and entropy and the cosine between the GRPO gradients of two in
   exactly (the stage resumes from its checkpoint with `[run] allow_changes` on its step count).
 - Control arms (`opd_more`, `sft_more`) continue OPD or SFT from the same checkpoint for the same
   wall-clock: at curve point U, `U x (GRPO s/update) / (control s/step)` steps, the per-step times
-  measured on this host (GRPO's in its own run, the control's in the chain's run of that stage).
+  measured on this host once per study (`budget`: short runs of the three stages in turn).
 - `argsort_ar` is `argsort` with block_size 1: one token per block, an autoregressive LM whose
   trajectory likelihood is exact and whose GRPO is the textbook one.
 
@@ -171,17 +171,49 @@ def chain(study: str, seed: int, output_dir: Path) -> dict[str, Any]:
     return results
 
 
-def _steps(study: str, seed: int, arm: Arm, updates: int) -> tuple[int, float | None]:
+def budget(study: str, output_dir: Path, *, rounds: int = 3) -> dict[str, Any]:
+    """Seconds per compiled GRPO update (the `grpo` arm's setting) and per OPD and SFT step, for
+    matching controls to GRPO in wall-clock: measured once per study, from seed 0's chain, in
+    short runs of each stage taken in turn `rounds` times (so that a slow spell of the host
+    slows all three), medians kept in `budget.json`."""
+    import shutil
+
+    from bd_train.stages import RunDir, run_grpo, run_opd, run_sft
+
+    path = RESULTS / study / "budget.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    results = chain(study, 0, output_dir)
+    times: dict[str, list[float]] = {"grpo": [], "opd": [], "sft": []}
+    for r in range(rounds):
+        for stage, steps in (("grpo", 8), ("opd", 60), ("sft", 100)):
+            config = study_config(study, 0, output_dir, ARMS["grpo"].sections, {stage: {"steps": steps}},
+                                  {"eval": {"n": 8, "samples": 0}})
+            folder = output_dir / study / "pipeline" / f"budget-{stage}-{r}"
+            shutil.rmtree(folder, ignore_errors=True)
+            where = RunDir.create(config, run_id=folder.name)
+            if stage == "grpo":
+                result = run_grpo(config, where, start=results["opd"])
+            elif stage == "opd":
+                result = run_opd(config, where, teacher=results["teacher"], student=results["opd"])
+            else:
+                result = run_sft(config, where, role="student", start=results["opd"])
+            times[stage].append(_per_update(result.seconds) or float("nan"))
+            shutil.rmtree(folder, ignore_errors=True)
+    record = {f"{stage}_seconds_per_step": float(np.median(values)) for stage, values in times.items()}
+    record["rounds"] = times
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return record
+
+
+def _steps(study: str, arm: Arm, updates: int, output_dir: Path) -> tuple[int, float | None]:
     """The arm's step count at curve point `updates`, and for a control the GRPO seconds it matches."""
     if arm.matches is None:
         return updates, None
-    grpo = load(study, seed, arm.matches)
-    per_update = grpo.get("seconds_per_update")
-    if per_update is None:
-        raise SystemExit(f"{arm.matches} has no measured update time for {study} seed {seed}: run it first")
-    stage = "sft" if arm.stage == "sft" else "opd"
-    per_step = load(study, seed, "base")[stage]["seconds_per_step"]
-    return max(1, round(updates * per_update / per_step)), updates * per_update
+    costs = budget(study, output_dir)
+    seconds = updates * costs["grpo_seconds_per_step"]
+    return max(1, round(seconds / costs[f"{arm.stage}_seconds_per_step"])), seconds
 
 
 def gradient_cosine(config: dict, checkpoint_dir: str, *, start_dir: str, seed: int, point: int) -> float:
@@ -237,7 +269,7 @@ def run_arm(study: str, seed: int, name: str, updates: list[int], output_dir: Pa
     for point in sorted(updates):
         if point in done:
             continue
-        steps, matched = _steps(study, seed, arm, point)
+        steps, matched = _steps(study, arm, point, output_dir)
         section = {"grpo": "grpo", "opd": "opd", "sft": "sft"}[arm.stage]
         config = study_config(study, seed, output_dir, arm.sections, {section: {"steps": steps}})
         where = RunDir.create(config, run_id=f"seed{seed}-{name}")

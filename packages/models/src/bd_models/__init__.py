@@ -40,8 +40,11 @@ from ._lora import trainable as trainable
 from ._lora import trainable_filter as trainable_filter
 from ._lora import weights_digest as weights_digest
 from ._lora import with_dropout_keys as with_dropout_keys
+from ._lowering import lower as lower
+from ._lowering import lower_sample as lower_sample
 from ._mask import tile_needed as tile_needed
 from ._model import BlockDiffusionLM as BlockDiffusionLM
+from ._model import unroll_layers as unroll_layers
 from ._sampler import RecomputeModel as RecomputeModel
 from ._sampler import concat_layouts as concat_layouts
 from ._sampler import sample as sample

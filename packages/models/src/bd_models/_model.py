@@ -7,6 +7,9 @@ Shape letters: see bd_core (B, T, S cache slots, L, D, K, G, E, V); `BT` is the 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,20 @@ from ._attention import attend, cached_attention
 from ._cache import KVCache
 from ._config import ModelConfig
 from ._layers import DecoderLayer, rms_norm, rope_angles, rope_table
+
+_UNROLL = contextvars.ContextVar("bd_models_unroll_layers", default=False)
+
+
+@contextlib.contextmanager
+def unroll_layers():
+    """Trace the decoder's layer scan fully unrolled inside this block: the same arithmetic, one
+    copy of the layer per layer in the program. XLA's cost analysis counts a loop's body once
+    whatever its trip count, so ahead-of-time FLOP and time estimates lower the model this way."""
+    token = _UNROLL.set(True)
+    try:
+        yield
+    finally:
+        _UNROLL.reset(token)
 
 
 def remat_layer(layer_step, policy: str):
@@ -98,7 +115,8 @@ class BlockDiffusionLM(eqx.Module):
                                    q_tile=config.q_tile, k_tile=config.k_tile)
             return layer.finish(x_BxTxD, jnp.transpose(out_BxKxGxTxE, (0, 3, 1, 2, 4)), config), None
 
-        x, _ = lax.scan(remat_layer(layer_step, config.remat), x.astype(config.compute_jnp_dtype), self.layers)
+        x, _ = lax.scan(remat_layer(layer_step, config.remat), x.astype(config.compute_jnp_dtype), self.layers,
+                        unroll=_UNROLL.get())
         return self._logits(x)
 
     def _logits(self, x_BxTxD) -> Float[Array, "B T V"]:

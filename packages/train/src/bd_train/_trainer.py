@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from bd_core import LossOutput, as_loss_output, config_error, reduce_metrics
-from bd_models import trainable_filter
+from bd_models import lower, trainable_filter
 
 from ._accumulate import Accumulated, LossFn, accumulate, interleave_microbatches, microbatch_key, normalize
 
@@ -133,8 +133,10 @@ class Trainer:
 
     def lower(self, state: TrainState, batch: Any, *, is_update_step: bool = True) -> jax.stages.Lowered:
         """The program `step(state, batch)` runs, lowered for these shapes (not run): `.compile()`
-        gives the compiled step, e.g. for its `memory_analysis()` or `cost_analysis()`."""
-        return self._train.lower(state, batch, is_update_step, False).lowered
+        gives the compiled step, e.g. for its `memory_analysis()` or `cost_analysis()`. The state
+        and batch may hold `jax.ShapeDtypeStruct`s (with shardings) instead of arrays: a plan
+        for devices this host does not have (`bd_train.plan`)."""
+        return lower(lambda s, b: self._train_impl(s, b, is_update_step, False), state, batch)
 
     def _run(self, state: TrainState, batch: Any, is_update_step: bool, presplit: bool) -> tuple[TrainState, dict]:
         if not is_update_step and state.accumulator is None:

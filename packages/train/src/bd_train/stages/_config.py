@@ -216,8 +216,12 @@ class SFTSection:
 
 @dataclasses.dataclass(frozen=True)
 class OPDSection:
+    """`microbatches` splits each step's rollouts into that many parts accumulated inside the one
+    update (exact, as in SFT): a large model's replay logits need not fit at once."""
+
     steps: int = 100
     prompts_per_step: int = 64
+    microbatches: int = 1
     kl_temperature: float = 1.0
     hard_ce_weight: float = 0.0
     positions: Literal["committed", "masked"] = "masked"
@@ -225,8 +229,12 @@ class OPDSection:
     sampler: SamplerSection = SamplerSection(temperature=1.0)
 
     def __post_init__(self):
-        _positive(steps=self.steps, prompts_per_step=self.prompts_per_step, kl_temperature=self.kl_temperature)
+        _positive(steps=self.steps, prompts_per_step=self.prompts_per_step, kl_temperature=self.kl_temperature,
+                  microbatches=self.microbatches)
         _nonneg(hard_ce_weight=self.hard_ce_weight)
+        if self.prompts_per_step % self.microbatches:
+            raise ConfigError(f"microbatches: {self.microbatches} does not divide prompts_per_step="
+                              f"{self.prompts_per_step}")
         if self.hard_ce_weight > 0 and self.positions != "committed":
             raise ConfigError("hard_ce_weight: hard CE needs a target at each distilled position, and a replayed "
                               "view knows only the tokens committed in it; set positions = 'committed' or "
@@ -235,10 +243,14 @@ class OPDSection:
 
 @dataclasses.dataclass(frozen=True)
 class GRPOSection:
+    """`microbatches` splits each update's prompts_per_step x group_size rows into that many
+    parts accumulated inside the one update (exact)."""
+
     steps: int = 40
     prompts_per_step: int = 16
     group_size: int = 8
     updates_per_rollout: int = 2
+    microbatches: int = 1
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     ratio: Literal["token", "gspo-token"] = "token"
@@ -250,7 +262,10 @@ class GRPOSection:
 
     def __post_init__(self):
         _positive(steps=self.steps, prompts_per_step=self.prompts_per_step,
-                  updates_per_rollout=self.updates_per_rollout)
+                  updates_per_rollout=self.updates_per_rollout, microbatches=self.microbatches)
+        if (self.prompts_per_step * self.group_size) % self.microbatches:
+            raise ConfigError(f"microbatches: {self.microbatches} does not divide the update's prompts_per_step x "
+                              f"group_size = {self.prompts_per_step * self.group_size} rows")
         if self.group_size < 2:
             raise config_error("", "group_size", self.group_size, ">= 2",
                                "advantages compare the samples of one prompt")

@@ -17,7 +17,7 @@ from bd_models import token_logprobs
 from .._grpo import GRPOBatch, GRPOConfig, compute_advantages, distribution_score, make_grpo_loss
 from .._optim import make_optimizer
 from .._replay import build_replay, replay_capacity
-from .._trainer import Trainer
+from .._trainer import Trainer, TrainerConfig
 from ._driver import StageResult, StageSpec, drive
 from ._rollout import Rollouts, on_mesh, roll_out
 from ._run import Run, RunDir
@@ -35,7 +35,8 @@ def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int 
     run.enable_compilation_cache()
     section = run.config.grpo
     identity = run.identity("student")
-    mesh = run.mesh(run.model_config("student"), batch_size=section.prompts_per_step * section.group_size)
+    mesh = run.mesh(run.model_config("student"),
+                    batch_size=section.prompts_per_step * section.group_size // section.microbatches)
     model = run.restore_model(start.checkpoint_dir, run.model_config("student"), identity,
                               what="student checkpoint after OPD", mesh=mesh)
     lora = run.lora("student", "grpo")
@@ -49,7 +50,8 @@ def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int 
     grpo = grpo_config(run)
     total = section.steps * section.updates_per_rollout
     optimizer = run.optimizer_config(section.optim, total)
-    trainer = Trainer(make_grpo_loss(grpo, distribution_score(sampler.distribution)), make_optimizer(optimizer))
+    trainer = Trainer(make_grpo_loss(grpo, distribution_score(sampler.distribution)), make_optimizer(optimizer),
+                      TrainerConfig(microbatches=section.microbatches))
     keys = run.keys("grpo", "train", "rollout", "eval")
     state = trainer.init(model, key=keys["train"])
     prompts = run.prompts("grpo", section.prompts_per_step)

@@ -18,7 +18,7 @@ from bd_models import ModelConfig
 from .._opd import OPDConfig, make_opd_loss
 from .._optim import make_optimizer
 from .._replay import build_replay, replay_capacity
-from .._trainer import Trainer
+from .._trainer import Trainer, TrainerConfig
 from ._driver import StageResult, StageSpec, drive
 from ._rollout import on_mesh, roll_out
 from ._run import Run, RunDir
@@ -38,7 +38,8 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
     section = run.config.opd
     mask_id = run.tokenizer.mask_id
     teacher_config = ModelConfig.from_dict(teacher.fingerprint.fields["architecture"])
-    mesh = run.mesh(run.model_config("student"), teacher_config, batch_size=section.prompts_per_step)
+    mesh = run.mesh(run.model_config("student"), teacher_config,
+                    batch_size=section.prompts_per_step // section.microbatches)
     teacher_model = run.restore_model(teacher.checkpoint_dir, teacher_config, teacher.fingerprint,
                                       what="teacher checkpoint", mesh=mesh)
     identity = run.identity("student")
@@ -52,7 +53,7 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
     loss_fn = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
                                       positions=section.positions, mask_id=mask_id))
     optimizer = run.optimizer_config(section.optim, section.steps)
-    trainer = Trainer(loss_fn, make_optimizer(optimizer))
+    trainer = Trainer(loss_fn, make_optimizer(optimizer), TrainerConfig(microbatches=section.microbatches))
     keys = run.keys("opd", "train", "rollout", "eval")
     state = trainer.init(model, key=keys["train"])
     prompts = run.prompts("opd", section.prompts_per_step)

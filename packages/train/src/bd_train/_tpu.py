@@ -1,0 +1,111 @@
+"""TPU slices described without owning them: a topology name ("v5p:2x2x2") becomes JAX device
+descriptions through libtpu's ahead-of-time compiler, and each chip generation's HBM and peak
+bfloat16 rate (the vendor's published figures) are what a plan compares against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One TPU generation: `hbm` bytes, `hbm_bandwidth` (bytes/s) and `peak_flops` (bfloat16
+    FLOP/s) per chip; a host holds up to `max_host_chips` chips (multi-host slices use hosts of
+    `host_bounds`)."""
+
+    name: str
+    hbm: int
+    hbm_bandwidth: float
+    peak_flops: float
+    host_bounds: tuple[int, int, int]
+    max_host_chips: int
+
+
+GiB = 1 << 30
+# Google Cloud's published per-chip figures: v5e 16 GB HBM at 819 GB/s, 197 TFLOP/s bf16; v5p
+# 95 GB at 2,765 GB/s, 459 TFLOP/s; v6e (Trillium) 32 GB at 1,640 GB/s, 918 TFLOP/s. v5e/v6e
+# single hosts hold up to 8 chips; larger v5e/v6e slices and every v5p slice use 4-chip hosts.
+CHIPS = {
+    "v5e": Chip("v5e", 16 * GiB, 819e9, 197e12, (2, 2, 1), 8),
+    "v5p": Chip("v5p", 95 * GiB, 2765e9, 459e12, (2, 2, 1), 4),
+    "v6e": Chip("v6e", 32 * GiB, 1640e9, 918e12, (2, 2, 1), 8),
+}
+
+
+class TopologyError(ValueError):
+    """A topology this host cannot describe (an unknown name, or libtpu missing)."""
+
+
+LIBTPU_HINT = ("bd_train.plan compiles for TPU with libtpu, which is not installed in this environment: run "
+               "`make plan-env` (a separate venv .plan/ with jax[tpu]) and `make plan PRESET=... TOPOLOGY=...`, or "
+               "`pip install 'bd-train[tpu]'`")
+
+
+def libtpu_available() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """`name` (e.g. "v5e:2x2"), its chip, `devices` (JAX device descriptions of every chip of every
+    slice), `hosts` per slice and `num_slices`."""
+
+    name: str
+    chip: Chip
+    devices: tuple[Any, ...]
+    hosts: int
+    num_slices: int
+
+    @property
+    def chips(self) -> int:
+        return len(self.devices)
+
+    def describe(self) -> str:
+        slices = f" x {self.num_slices} slices" if self.num_slices > 1 else ""
+        return (f"{self.name}{slices}: {self.chips} chips, {self.hosts * self.num_slices} hosts, "
+                f"{self.chip.hbm / GiB:.0f} GiB HBM and {self.chip.peak_flops / 1e12:.0f} TFLOP/s bf16 per chip")
+
+
+def parse_topology(name: str) -> tuple[Chip, tuple[int, ...]]:
+    """"v5p:2x2x2" -> (the v5p chip, (2, 2, 2)); refuses other forms by name."""
+    generation, _, shape = name.partition(":")
+    if generation not in CHIPS or not shape:
+        raise TopologyError(f"--topology {name!r}: expected <generation>:<shape> with a generation in "
+                            f"{sorted(CHIPS)}, e.g. v5e:2x4, v5p:2x2x2, v6e:4x4")
+    try:
+        dims = tuple(int(d) for d in shape.split("x"))
+    except ValueError:
+        raise TopologyError(f"--topology {name!r}: the shape {shape!r} is not of the form AxB or AxBxC") from None
+    if not 2 <= len(dims) <= 3 or min(dims) < 1:
+        raise TopologyError(f"--topology {name!r}: the shape {shape!r} is not of the form AxB or AxBxC")
+    return CHIPS[generation], dims
+
+
+def topology(name: str, *, num_slices: int = 1) -> Topology:
+    """The devices of `num_slices` slices of topology `name`, as libtpu's compiler sees them."""
+    chip, dims = parse_topology(name)
+    if not libtpu_available():
+        raise TopologyError(LIBTPU_HINT)
+    # libtpu reads these at start-up; without them it logs that it cannot find a TPU host.
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # libtpu holds a machine-wide lock file for the TPU it drives; a plan drives none (it only
+    # compiles), so plans may run side by side.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    chips = math.prod(dims)
+    bounds = (*dims, 1)[:3] if chips <= chip.max_host_chips and len(dims) == 2 else chip.host_bounds
+    try:
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=name, chip_config_name="default",
+                                            chips_per_host_bounds=bounds, num_slices=num_slices)
+    except Exception as err:  # libtpu's own message names what it could not lay out
+        raise TopologyError(f"--topology {name!r}: libtpu cannot describe it: {err}") from None
+    devices = tuple(desc.devices)
+    hosts = len({d.process_index for d in devices}) // max(1, num_slices) or 1
+    return Topology(name, chip, devices, hosts, num_slices)

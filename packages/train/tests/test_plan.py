@@ -1,0 +1,110 @@
+"""`python -m bd_train.plan`: every stage's programs compiled for a TPU slice from shapes, on this
+CPU host. Runs with libtpu, from this environment or the plan's own venv (`make plan-env`, which
+CI installs); skipped where neither has it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+from bd_models import BlockDiffusionLM, make_mesh, param_partition_specs
+from bd_train import make_optimizer
+from bd_train.stages import Run, parse_pipeline_config
+
+ROOT = Path(__file__).resolve().parents[3]
+SMOKE = ROOT / "flows" / "configs" / "smoke.toml"
+PLAN_PYTHON = ROOT / ".plan" / "bin" / "python"
+
+
+def _python() -> str:
+    if importlib.util.find_spec("libtpu") is not None:
+        return sys.executable
+    if PLAN_PYTHON.exists():
+        return str(PLAN_PYTHON)
+    pytest.skip("libtpu is not installed here or in .plan/ (make plan-env)")
+
+
+def _plan(tmp_path, preset: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "plan.json"
+    done = subprocess.run([_python(), "-m", "bd_train.plan", str(preset), "--json", str(out), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    return done, json.loads(out.read_text()) if out.exists() else {}
+
+
+def _per_chip(shapes, specs, mesh) -> int:
+    """Bytes one chip holds of `shapes` split by `specs` on `mesh` (from the specs alone)."""
+    total = 0
+    for shape, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.P))):
+        shard = [n // (int(np.prod([mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,))]))
+                       if axis is not None else 1) for n, axis in zip(shape.shape, (*spec, *[None] * len(shape.shape)))]
+        total += int(np.prod(shard)) * shape.dtype.itemsize
+    return total
+
+
+def test_every_stage_compiles_for_v5e_with_exact_bytes_per_chip(tmp_path):
+    done, plan = _plan(tmp_path, SMOKE, "--topology", "v5e:2x2", "--mesh", "fsdp=2,model=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert plan["chips"] == 4 and plan["hbm"] == 16 * 2**30 and plan["mesh"] == {"data": 1, "fsdp": 2, "model": 2}
+    programs = {(s["stage"], p["program"]): p for s in plan["stages"] for p in s["programs"]}
+    assert {s["stage"] for s in plan["stages"]} == {"sft-teacher", "sft-student", "opd", "grpo"}
+    assert {"rollouts", "teacher forward", "train step", "held-out decoding"} <= {p for s, p in programs if s == "opd"}
+    assert ("grpo", "reference scoring") in programs  # smoke's GRPO has beta > 0
+
+    setup = Run(parse_pipeline_config(SMOKE.read_text()))
+    mesh = make_mesh(1, 2, 2, devices=jax.devices()[:4])
+    for stage, role, section in (("sft-teacher", "teacher", setup.config.sft), ("sft-student", "student", None),
+                                 ("opd", "student", setup.config.opd), ("grpo", "student", setup.config.grpo)):
+        shapes = eqx.filter_eval_shape(BlockDiffusionLM, setup.model_config(role), key=jax.random.key(0))
+        params = _per_chip(shapes, param_partition_specs(shapes, mesh), mesh)
+        optim = (section or setup.config.sft).optim
+        opt_state = eqx.filter_eval_shape(make_optimizer(Run.optimizer_config(optim, 10)).init, shapes)
+        scalars = sum(x.dtype.itemsize for x in jax.tree.leaves(opt_state) if x.ndim == 0)  # step counts
+        step = programs[(stage, "train step")]
+        assert step["params"] == params, stage
+        assert step["optimizer"] == 2 * params + scalars, stage  # AdamW's two moments mirror the weights
+        assert step["argument"] >= step["params"] + step["optimizer"] and step["peak"] > 0
+        assert step["flops"] > 0 and step["seconds"] > 0 and step["model_flops"] > 0
+        assert programs[(stage, "held-out decoding")]["params"] == params
+
+
+def test_a_preset_that_does_not_fit_is_refused_with_the_change_that_fits(tmp_path):
+    """A 1.3B-parameter teacher replicated over 4 chips (data = 4) needs about 21 GB of weights,
+    gradients and AdamW moments on each v5e chip of 16 GiB; FSDP over the same chips fits."""
+    preset = tmp_path / "big.toml"
+    preset.write_text(SMOKE.read_text().replace("[teacher]\nd_model = 32\nn_layers = 1\nn_heads = 2",
+                                                "[teacher]\nd_model = 4096\nn_layers = 5\nn_heads = 32\nd_ff = 16384")
+                      .replace("batch_size = 16", "batch_size = 4"))
+    done, plan = _plan(tmp_path, preset, "--topology", "v5e:2x2", "--mesh", "data=4", "--stage", "sft")
+    assert done.returncode == 1, done.stderr[-3000:]
+    teacher = next(s for s in plan["stages"] if s["stage"] == "sft-teacher")
+    assert not teacher["fits"] and teacher["peak"] > 16 * 2**30
+    assert teacher["remedy"].startswith("fits with [mesh] fsdp = 4, data = 1"), teacher["remedy"]
+    assert "sft-teacher: peak" in done.stdout and "DOES NOT FIT: fits with [mesh] fsdp = 4" in done.stdout
+    assert next(s for s in plan["stages"] if s["stage"] == "sft-student")["fits"]
+
+
+def test_without_libtpu_the_plan_says_how_to_get_it(tmp_path):
+    if importlib.util.find_spec("libtpu") is not None:
+        pytest.skip("libtpu is installed in this environment")
+    done = subprocess.run([sys.executable, "-m", "bd_train.plan", str(SMOKE), "--topology", "v5e:2x2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "make plan-env" in done.stderr
+
+
+def test_unknown_topologies_and_meshes_are_refused_by_name(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "bd_train.plan", str(SMOKE), "--topology", "v9x:2x2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--topology 'v9x:2x2': expected <generation>:<shape>" in done.stderr
+    if importlib.util.find_spec("libtpu") is None and not PLAN_PYTHON.exists():
+        return
+    done, _ = _plan(tmp_path, SMOKE, "--topology", "v5e:2x2", "--mesh", "fsdp=8")
+    assert done.returncode == 2 and "data*fsdp*model = 1*8*1 = 8 but v5e:2x2 has 4 chips" in done.stderr
