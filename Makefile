@@ -13,7 +13,7 @@ RUN := $(UV) run --no-sync
 export GLIBC_TUNABLES := $(if $(findstring glibc.malloc.hugetlb=,$(GLIBC_TUNABLES)),$(GLIBC_TUNABLES),$(if $(GLIBC_TUNABLES),$(GLIBC_TUNABLES):)glibc.malloc.hugetlb=1)
 PKG_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml)
 
-.PHONY: sync test lint run bench bench-gpu clean interop plan plan-env
+.PHONY: sync test lint run bench bench-gpu clean interop plan plan-env docs docs-serve
 sync: .venv/.synced
 
 $(UV):
@@ -95,3 +95,11 @@ JAX_VERSION := $(shell sed -n 's/.*"jax==\([0-9.]*\)".*/\1/p' packages/core/pypr
 bench-gpu: sync
 	$(UV) pip install --python .venv/bin/python --quiet "jax[cuda12]==$(JAX_VERSION)"
 	$(RUN) python bench/train_step.py --device gpu
+
+# The documentation site (mkdocs-material + mkdocstrings, source in docs/), built with --strict:
+# a broken link, a missing page or a reference that does not resolve fails it.
+docs: sync
+	NO_MKDOCS_2_WARNING=1 $(RUN) mkdocs build --strict --site-dir site
+
+docs-serve: sync
+	NO_MKDOCS_2_WARNING=1 $(RUN) mkdocs serve

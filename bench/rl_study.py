@@ -43,7 +43,9 @@ RESULTS = ROOT / "bench" / "results" / "rl_study"
 CONFIGS = ROOT / "flows" / "configs"
 # What every study changes in its preset: no accuracy-vs-NFE curve (pass@k stays), a checkpoint
 # only at each curve point's end, and the step count of a resumed stage may grow.
-STEPS = ["training.grpo.steps", "training.opd.steps", "training.sft.steps", "training.steps"]
+# (and the microbatch counts OPD and GRPO gained after the first chains were trained: 1 either way)
+STEPS = ["training.grpo.steps", "training.opd.steps", "training.sft.steps", "training.steps",
+         "training.opd.microbatches", "training.grpo.microbatches"]
 COMMON = {"eval": {"thresholds": [], "samples": 4},
           "run": {"checkpoint_every": 100_000, "max_to_keep": 1, "allow_changes": STEPS}}
 

@@ -189,3 +189,24 @@ def test_config_errors_and_refusals_name_the_fix():
         add_lora(adapted, ALL, key=jax.random.key(1))
     with pytest.raises(PretrainedError, match="merge"):
         save_pretrained(adapted, "/nonexistent")
+
+
+@pytest.mark.parametrize("attention", ["dense", "blocked"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "sdar"])
+def test_imported_checkpoints_with_adapters_on_every_projection_start_at_their_base_logits(arch, attention):
+    """Released layouts (q/k norms and head_dim != d_model / n_heads in qwen3 and sdar, q/k/v biases
+    in qwen2, scaled RoPE and one kv head in llama), read from their safetensors, with rank-4
+    adapters on all seven projections: the packed forward equals the base's bit for bit."""
+    from pathlib import Path
+
+    from bd_models import from_pretrained
+
+    folder = Path(__file__).parent / "fixtures" / "hf" / arch
+    model = from_pretrained(folder, block_size=4, attention=attention)
+    adapted = add_lora(model, LoRAConfig(rank=4, targets=TARGETS), key=jax.random.key(2))
+    rows, length = 2, 16
+    tokens = jax.random.randint(jax.random.key(3), (rows, length), 0, model.config.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(length), (rows, length))
+    layout = ViewLayout.create(tokens, positions, positions // 4, jnp.zeros((rows, length), jnp.int32),
+                               jnp.ones((rows, length), bool))
+    np.testing.assert_array_equal(np.asarray(_logits(adapted, layout)), np.asarray(_logits(model, layout)))

@@ -21,7 +21,9 @@ from bd_core import config_error
 from ._example import Example
 
 SPLITS = ("train", "eval")
-CORRECT, PARTIAL_CREDIT, MALFORMED = 1.0, 0.1, 0.0
+CORRECT = 1.0
+PARTIAL_CREDIT = 0.1
+MALFORMED = 0.0
 EVAL_PERMILLE = 100  # 10% of each problem space is held out for eval
 ENDLESS = 1 << 20  # the size of a generated split's dataset unless asked otherwise
 _MAX_ATTEMPTS = 10_000

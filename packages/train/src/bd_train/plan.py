@@ -269,8 +269,10 @@ class _Program:
 
 
 def _train_programs(stage: str, trainer: Trainer, make: Callable[[], Any], batch: Any, mesh: jax.sharding.Mesh,
-                    model_config: ModelConfig, tokens: tuple[int, int], microbatches: int = 1) -> list[_Program]:
-    """The scanned train step, and with `microbatches` > 1 the streamed step's two programs."""
+                    model_config: ModelConfig, tokens: tuple[int, int], microbatches: int = 1,
+                    cost: bool = True) -> list[_Program]:
+    """The scanned train step, and with `microbatches` > 1 the streamed step's two programs;
+    `cost=False` skips the unrolled programs that only serve the cost estimate."""
     abstract = eqx.filter_eval_shape(lambda: TrainState.init(make(), trainer.optimizer, key=jax.random.key(0)))
     state = place_state(abstract, abstract.model, mesh)
     flops = 3 * model_flops(model_config, tokens)["matmul_forward"] / mesh.size
@@ -280,9 +282,9 @@ def _train_programs(stage: str, trainer: Trainer, make: Callable[[], Any], batch
     micro = jax.tree.map(lambda x: _sds((x.shape[0] // microbatches, *x.shape[1:]), x.dtype), batch)
     one = Trainer(trainer.loss_fn, trainer.optimizer)
     with unroll_layers():
-        cost = (one.lower(state, place_batch(micro, mesh)), microbatches)
+        costed = (one.lower(state, place_batch(micro, mesh)), microbatches) if cost else None
     out = [_Program(stage, "train step", trainer.lower(state, place_batch(batch, mesh)), params, optimizer, flops,
-                    cost)]
+                    costed)]
     if microbatches > 1:
         streaming = Trainer(trainer.loss_fn, trainer.optimizer, TrainerConfig(streaming=True))
         like = jax.eval_shape(lambda: as_loss_output(streaming.loss_fn(
@@ -293,8 +295,8 @@ def _train_programs(stage: str, trainer: Trainer, make: Callable[[], Any], batch
         for update, name in ((False, "streamed step: accumulate"), (True, "streamed step: apply")):
             lowered = streaming.lower(state, place_batch(micro, mesh), is_update_step=update)
             with unroll_layers():
-                cost = (streaming.lower(state, place_batch(micro, mesh), is_update_step=update), 1)
-            out.append(_Program(stage, name, lowered, params, optimizer, flops / microbatches, cost))
+                costed = (streaming.lower(state, place_batch(micro, mesh), is_update_step=update), 1) if cost else None
+            out.append(_Program(stage, name, lowered, params, optimizer, flops / microbatches, costed))
     return out
 
 
@@ -312,8 +314,9 @@ def _rows(rows: int, mesh: jax.sharding.Mesh) -> int:
     return -(-rows // shards) * shards
 
 
-def stage_programs(shapes: _Shapes, stage: str, mesh: jax.sharding.Mesh) -> list[_Program]:
-    """Every program `stage` ("sft-teacher", "sft-student", "opd" or "grpo") compiles."""
+def stage_programs(shapes: _Shapes, stage: str, mesh: jax.sharding.Mesh, *, cost: bool = True) -> list[_Program]:
+    """Every program `stage` ("sft-teacher", "sft-student", "opd" or "grpo") compiles (and, with
+    `cost`, the unrolled twins its cost estimates come from)."""
     from .stages import Run, grpo_config
 
     cfg, canvas = shapes.config, shapes.config.canvas
@@ -329,7 +332,7 @@ def stage_programs(shapes: _Shapes, stage: str, mesh: jax.sharding.Mesh) -> list
         trainer = Trainer(sft_objective, optimizer, TrainerConfig(microbatches=sft.microbatches))
         make = shapes.make_model(role, "sft")
         programs = _train_programs(stage, trainer, make, diffusion_batch(sft.batch_size, length), mesh, model_config,
-                                   (sft.batch_size, length), sft.microbatches)
+                                   (sft.batch_size, length), sft.microbatches, cost)
         return programs + [_sampler_program(stage, "held-out decoding", make, eval_sampler, eval_rows,
                                             canvas.prompt_len, mesh)]
     student = shapes.models["student"]
@@ -350,9 +353,9 @@ def stage_programs(shapes: _Shapes, stage: str, mesh: jax.sharding.Mesh) -> list
         placed, layout = place_state(teacher, teacher, mesh), place_batch(replay.layout, mesh)
         forward = lambda t, layout: t(layout)  # noqa: E731
         with unroll_layers():
-            cost = (lower(forward, placed, layout), 1)
+            costed = (lower(forward, placed, layout), 1) if cost else None
         programs.append(_Program(stage, "teacher forward", lower(forward, placed, layout), _bytes_per_chip(placed),
-                                 cost=cost))
+                                 cost=costed))
         loss = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
                                        positions=section.positions, mask_id=shapes.mask_id))
         batch = DistillationBatch(replay, _sds(logits.shape, logits.dtype))
@@ -365,13 +368,14 @@ def stage_programs(shapes: _Shapes, stage: str, mesh: jax.sharding.Mesh) -> list
             placed = place_state(reference, reference, mesh)
             score = lambda m, b: token_logprobs(m, b, distribution)[0]  # noqa: E731
             with unroll_layers():
-                cost = (lower(score, placed, place_batch(replay, mesh)), 1)
+                costed = (lower(score, placed, place_batch(replay, mesh)), 1) if cost else None
             programs.append(_Program(stage, "reference scoring", lower(score, placed, place_batch(replay, mesh)),
-                                     _bytes_per_chip(placed), cost=cost))
+                                     _bytes_per_chip(placed), cost=costed))
         loss = make_grpo_loss(grpo_config(run), distribution_score(distribution))
         batch = GRPOBatch(replay, _sds((rows, length), jnp.float32), _sds((rows,), jnp.float32), ref)
     trainer = Trainer(loss, optimizer, TrainerConfig(microbatches=section.microbatches))
-    programs += _train_programs(stage, trainer, make, batch, mesh, student, (rows, length), section.microbatches)
+    programs += _train_programs(stage, trainer, make, batch, mesh, student, (rows, length), section.microbatches,
+                                cost)
     programs.append(_sampler_program(stage, "held-out decoding", make, eval_sampler, eval_rows, canvas.prompt_len,
                                      mesh))
     return programs
@@ -457,11 +461,11 @@ def _stage_names(config: Any, which: str) -> list[str]:
 
 
 def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topology,
-               log: Callable[[str], None] = lambda _: None) -> StagePlan:
+               log: Callable[[str], None] = lambda _: None, *, cost: bool = True) -> StagePlan:
     mesh = make_plan_mesh(mesh_shape, topo)
     shapes = _Shapes.of(config)
     programs = []
-    for program in stage_programs(shapes, stage, mesh):
+    for program in stage_programs(shapes, stage, mesh, cost=cost):
         log(f"  compiling {stage}: {program.program} ...")
         programs.append(compile_program(program, topo.chip))
     return StagePlan(stage, programs, topo.chip.hbm)
@@ -522,7 +526,8 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
             for description, changed, changed_mesh in _remedies(data, name, mesh_shape, over):
                 log(f"  {name} does not fit ({result.peak / GiB:.1f} GiB): trying {description}")
                 try:
-                    retry = plan_stage(pipeline_config(parse_pipeline_config(changed)), name, changed_mesh, topo, log)
+                    retry = plan_stage(pipeline_config(parse_pipeline_config(changed)), name, changed_mesh, topo, log,
+                                       cost=False)  # whether it fits: memory only
                 except (ConfigError, MeshError) as err:
                     log(f"    not possible: {err}")
                     continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import zlib
 from pathlib import Path
 from typing import Any, cast
 
@@ -57,6 +58,12 @@ ROLES = ("teacher", "student")
 # Each stage's random stream: its key is `fold_in(key(seed), index)` and its data seed
 # `seed + index`. (The indices are the values earlier versions hard-coded, so runs reproduce.)
 STREAMS = {"sft-teacher": 0, "sft-student": 1, "opd": 2, "grpo": 3}
+
+
+def stream(stage: str) -> int:
+    """A stage's random stream: fixed for the pipeline's stages; a recipe of your own (any other
+    name) gets one from a hash of its name, the same in every run and process."""
+    return STREAMS[stage] if stage in STREAMS else 1000 + zlib.crc32(stage.encode()) % 1_000_000
 ADAPTER_STREAMS = 100  # a stage's fresh LoRA adapters draw from stream 100 + its index
 # How the model is computed, not what it computes (the implementations agree to float tolerance):
 # a stage may change these without invalidating the checkpoint it starts from.
@@ -116,11 +123,11 @@ class Run:
 
     def keys(self, stage: str, *names: str) -> dict[str, jax.Array]:
         """The stage's key split into one key per name (in the order given)."""
-        key = jax.random.fold_in(jax.random.key(self.config.run.seed), STREAMS[stage])
+        key = jax.random.fold_in(jax.random.key(self.config.run.seed), stream(stage))
         return dict(zip(names, jax.random.split(key, len(names))))
 
     def data_seed(self, stage: str) -> int:
-        return self.config.run.seed + STREAMS[stage]
+        return self.config.run.seed + stream(stage)
 
     # -- data and rewards ----------------------------------------------------------------------------
 
@@ -303,7 +310,7 @@ class Run:
     def adapt(self, base: Any, lora: LoRAConfig, stage: str) -> Any:
         """`base` (the model the stage starts from) with the stage's fresh adapters: `B` is zero, so
         the adapted model starts equal to its base."""
-        key = jax.random.fold_in(jax.random.key(self.config.run.seed), ADAPTER_STREAMS + STREAMS[stage])
+        key = jax.random.fold_in(jax.random.key(self.config.run.seed), ADAPTER_STREAMS + stream(stage))
         return add_lora(base, lora, key=key)
 
     @staticmethod
