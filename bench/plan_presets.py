@@ -45,7 +45,8 @@ def table(results: dict[str, dict]) -> str:
             timing = ""
             if step and step["seconds"]:
                 mfu = step["model_flops"] / (step["seconds"] * result["peak_flops"]) if step["model_flops"] else 0
-                timing = f"{'≥ ' if step['seconds_from'] == 'roofline' else ''}{step['seconds']:.2f} s, {100 * mfu:.0f}%"
+                bound = "≥ " if step["seconds_from"] == "roofline" else ""
+                timing = f"{bound}{step['seconds']:.2f} s, {100 * mfu:.0f}%"
             verdict = "yes" if stage["fits"] else f"no: {stage['remedy']}"
             command = f"`make plan PRESET={preset} TOPOLOGY={topology} PLAN_ARGS=\"--mesh {TOPOLOGIES[topology]}\"`"
             lines.append(f"| {preset} | {topology} ({result['chips']} chips, {result['hosts']} host"

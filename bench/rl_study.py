@@ -202,7 +202,7 @@ def budget(study: str, output_dir: Path, *, rounds: int = 3) -> dict[str, Any]:
                 result = run_sft(config, where, role="student", start=results["opd"])
             times[stage].append(_per_update(result.seconds) or float("nan"))
             shutil.rmtree(folder, ignore_errors=True)
-    record = {f"{stage}_seconds_per_step": float(np.median(values)) for stage, values in times.items()}
+    record: dict[str, Any] = {f"{stage}_seconds_per_step": float(np.median(values)) for stage, values in times.items()}
     record["rounds"] = times
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
@@ -240,7 +240,7 @@ def gradient_cosine(config: dict, checkpoint_dir: str, *, start_dir: str, seed: 
     @eqx.filter_jit
     def grad(model, batch):
         def value(m):
-            loss = loss_fn(m, batch).loss
+            loss = loss_fn(m, batch, jax.random.key(0)).loss
             return loss.numerator / jnp.maximum(loss.denominator, 1.0)
 
         return jax.tree.leaves(eqx.filter_grad(value)(model))
@@ -294,7 +294,7 @@ def run_arm(study: str, seed: int, name: str, updates: list[int], output_dir: Pa
                                 for row in result.history if row["step"] > previous]
             entry["gradient_cosine"] = gradient_cosine(config, result.checkpoint_dir, start_dir=start.checkpoint_dir,
                                                         seed=seed, point=point)
-            if per_update is not None:  # the longest segment's measure is kept
+            if per_update is not None and result.seconds is not None:  # the longest segment's measure is kept
                 longest = max((p["seconds"]["updates"] for p in record["points"] if "seconds" in p), default=0)
                 if result.seconds["updates"] >= longest:
                     record["seconds_per_update"] = per_update

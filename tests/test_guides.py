@@ -1,6 +1,7 @@
-"""The guides run as written: every ```python block of a guide page, in order, in a fresh process
-and a scratch folder holding the repository's `packages/` and `flows/` (```py blocks are
-illustrations with placeholder paths and do not run). A guide that drifts from the code fails here."""
+"""The guides and README's package examples run as written: every ```python block of the page, in
+order, in a fresh process and a scratch folder holding the repository's `packages/` and `flows/`
+(```py blocks are illustrations with placeholder paths and do not run). A page that drifts from
+the code fails here."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-GUIDES = ["guides/released-checkpoint.md", "guides/new-stage.md"]
+GUIDES = ["README.md", "docs/guides/released-checkpoint.md", "docs/guides/new-stage.md"]
 
 
 def _script(page: str) -> str:
-    return "\n".join(re.findall(r"```python\n(.*?)```", (ROOT / "docs" / page).read_text(), re.S))
+    return "\n".join(re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S))
 
 
 @pytest.mark.parametrize("page", GUIDES)
@@ -29,7 +30,7 @@ def test_guide_runs(page, tmp_path):
     done = subprocess.run([sys.executable, "guide.py"], cwd=tmp_path, capture_output=True, text=True, timeout=900,
                           env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    if page == "guides/released-checkpoint.md":
+    if page == "docs/guides/released-checkpoint.md":
         export = tmp_path / "guide_runs" / "pipeline" / "guide" / "export" / "grpo"
         assert (export / "config.json").is_file() and list(export.glob("*.safetensors"))
         assert "'trained'" in done.stdout  # the adapters' parameter count was printed

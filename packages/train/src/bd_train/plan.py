@@ -130,12 +130,14 @@ class Plan:
 
 # -- shapes ---------------------------------------------------------------------------------------
 
-def _sds(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+def _sds(shape: tuple[int, ...], dtype: Any) -> Any:
+    """A shape, typed `Any`: it stands where the contracts hold arrays."""
     return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
 
 
 def _layout(rows: int, length: int) -> ViewLayout:
-    return ViewLayout(*(_sds((rows, length), jnp.int32) for _ in range(4)), _sds((rows, length), jnp.bool_))
+    ints = [_sds((rows, length), jnp.int32) for _ in range(4)]
+    return ViewLayout(ints[0], ints[1], ints[2], ints[3], _sds((rows, length), jnp.bool_))
 
 
 def diffusion_batch(rows: int, length: int) -> DiffusionTokenBatch:
@@ -208,6 +210,7 @@ class _Shapes:
             return cls(cfg, models, tok.mask_id, tok.pad_id, tok.eos_id)
         # A pretrained folder holding config.json only (a plan before the weights are fetched):
         # the vocabulary and special ids come from the config.
+        assert folder is not None
         models = {}
         for role in ("teacher", "student"):
             section = getattr(cfg, role)
@@ -304,9 +307,9 @@ def _sampler_program(stage: str, name: str, make: Callable[[], Any], sampler: Sa
                      prompt_len: int, mesh: jax.sharding.Mesh) -> _Program:
     abstract = eqx.filter_eval_shape(make)
     model = place_state(abstract, abstract, mesh)
-    prompts = place_batch((_sds((rows, prompt_len), jnp.int32), _sds((rows, prompt_len), jnp.bool_)), mesh)
+    tokens, valid = place_batch((_sds((rows, prompt_len), jnp.int32), _sds((rows, prompt_len), jnp.bool_)), mesh)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-    return _Program(stage, name, lower_sample(model, *prompts, sampler, key=key), _bytes_per_chip(model))
+    return _Program(stage, name, lower_sample(model, tokens, valid, sampler, key=key), _bytes_per_chip(model))
 
 
 def _rows(rows: int, mesh: jax.sharding.Mesh) -> int:
