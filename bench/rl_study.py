@@ -16,7 +16,9 @@ rollouts' reward and entropy and the cosine between the GRPO gradients of two in
 
 Every finished curve point is written at once to `bench/results/rl_study/<study>/seed<k>/<arm>.json`
 (checkpoints live in `--output-dir`), so an interrupted study resumes where it stopped: `run`
-skips points on disk. `report` rebuilds tables, the figure and the BENCHMARKS.md section from them.
+skips points on disk. `report` rebuilds tables, the figure and the BENCHMARKS.md section from them
+(`_rl_report.py`); `ascent` measures whether updates raise the reward on their own prompts and on
+others.
 
     python bench/rl_study.py run --study argsort --arms grpo opd_more sft_more --seeds 0 1 2 --updates 8 32 128
     python bench/rl_study.py report
@@ -27,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 import tomllib
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import ROOT, preset_data, write_section  # noqa: E402
+from _report import ROOT, preset_data  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "rl_study"
 CONFIGS = ROOT / "flows" / "configs"
@@ -306,84 +307,49 @@ def run_arm(study: str, seed: int, name: str, updates: list[int], output_dir: Pa
               f"pass@1 {ev.get('pass@1', float('nan')):.3f}, {entry['wall_seconds']:.0f} s", flush=True)
 
 
-# -- report ---------------------------------------------------------------------------------------
+def ascent(study: str, seed: int, output_dir: Path, *, strategy: str, updates: int = 4, samples: int = 64) -> dict:
+    """Whether GRPO's updates raise the expected reward where they were computed, and elsewhere:
+    from the seed's OPD model, `updates` GRPO updates (the `grpo` arm's setting, `strategy`
+    rollouts) all on the same 128 training prompts; after each, the mean reward of `samples`
+    fresh rollouts of each of those prompts and of 128 other training prompts."""
+    import jax
 
-def _mean_sd(values) -> str:
-    values = np.asarray(values, np.float64)
-    sd = values.std(ddof=1) if len(values) > 1 else 0.0
-    return f"{100 * values.mean():+.1f} ± {100 * sd:.1f}"
+    from bd_data import iterate, prompt_dataset
+    from bd_train import Trainer, distribution_score, make_grpo_loss, make_optimizer
+    from bd_train.stages import Run, grpo_config, rollout_batch
 
+    path = RESULTS / study / f"seed{seed}" / f"ascent_{strategy}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    results = chain(study, seed, output_dir)
+    sampler = {} if strategy == "threshold" else {"strategy": strategy}
+    config = study_config(study, seed, output_dir, _grpo(sampler=sampler))
+    run = Run(config)
+    model = run.restore_model(results["opd"].checkpoint_dir, run.model_config("student"), run.identity("student"),
+                              what="the OPD checkpoint")
+    distribution = run.sampler_config(run.config.grpo.sampler).distribution
+    trainer = Trainer(make_grpo_loss(grpo_config(run), distribution_score(distribution)),
+                      make_optimizer(run.optimizer_config(run.config.grpo.optim, updates)))
+    state = trainer.init(model, key=jax.random.key(seed))
+    stream = iterate(prompt_dataset(run.source("train"), run.tokenizer, run.config.canvas, seed=20_000 + seed,
+                                    batch_size=run.config.grpo.prompts_per_step, shard_index=0, shard_count=1))
+    trained, other = next(stream), next(stream)
+    group = run.config.grpo.group_size
 
-def paired(after: dict, before: dict, key: str = "accuracy") -> tuple[float, float]:
-    """The change in accuracy (or pass@1) over the same problems, and its paired standard error."""
-    if key == "accuracy":
-        a = np.asarray(after["rewards"]) == 1.0
-        b = np.asarray(before["rewards"]) == 1.0
-    else:
-        k = 4
-        a = np.asarray([int(c) for c in after["correct_samples"]]) / k
-        b = np.asarray([int(c) for c in before["correct_samples"]]) / k
-    d = a.astype(np.float64) - b
-    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
+    def reward(m, prompts) -> float:
+        return float(np.mean([rollout_batch(run, m, prompts, key=jax.random.key(7_000 + i), mesh=None)[1].rewards
+                              for i in range(samples // group)]))
 
-
-def collect() -> dict[str, dict[str, dict[int, dict]]]:
-    """{study: {arm: {seed: record}}} of everything on disk."""
-    out: dict[str, dict[str, dict[int, dict]]] = {}
-    for path in sorted(RESULTS.glob("*/seed*/*.json")):
-        study, seed, arm = path.parent.parent.name, int(path.parent.name.removeprefix("seed")), path.stem
-        out.setdefault(study, {}).setdefault(arm, {})[seed] = json.loads(path.read_text())
-    return out
-
-
-def report() -> str:
-    data = collect()
-    lines = []
-    for study, arms in data.items():
-        base = arms.get("base", {})
-        seeds = sorted(base)
-        if not seeds:
-            continue
-        spec = STUDIES[study]
-        changed = f", {json.dumps(spec.sections)}" if spec.sections else ""
-        lines += [f"### `{study}` ({spec.preset}{changed})", "",
-                  "| model | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
-        for name in ("teacher", "sft", "opd"):
-            lines.append(f"| {name} | " + " | ".join(f"{base[s][name]['evaluation']['accuracy']:.3f}"
-                                                       for s in seeds) + " |")
-        lines += ["", "Change in held-out greedy accuracy over the arm's start, in points: per seed (± paired "
-                  "standard error over the 256 problems), then mean ± sd over seeds; pass@1 at the rollout decoding "
-                  "in brackets.", ""]
-        points = sorted({p["updates"] for name, per in arms.items() if name != "base"
-                         for r in per.values() for p in r["points"] if p["updates"] > 0})
-        lines += ["| arm | start | updates | " + " | ".join(f"seed {s}" for s in seeds)
-                  + " | mean ± sd | pass@1 mean |",
-                  "|---|---|---|" + "---|" * (len(seeds) + 2)]
-        for name, per in arms.items():
-            if name == "base":
-                continue
-            arm = ARMS[name]
-            for u in points:
-                row, gains, pgains = [], [], []
-                for s in seeds:
-                    rec = per.get(s, {"points": []})
-                    p = next((p for p in rec["points"] if p["updates"] == u), None)
-                    if p is None:
-                        row.append("—")
-                        continue
-                    before = base[s][arm.start]["evaluation"]
-                    g, se = paired(p["evaluation"], before)
-                    pg, _ = paired(p["evaluation"], before, "pass@1")
-                    gains.append(g)
-                    pgains.append(pg)
-                    row.append(f"{100 * g:+.1f} ± {100 * se:.1f}")
-                if not gains:
-                    continue
-                what = f"{u}" if arm.matches is None else f"≙ {u}"
-                lines.append(f"| {name} | {arm.start} | {what} | " + " | ".join(row)
-                             + f" | {_mean_sd(gains)} ({len(gains)}) | {_mean_sd(pgains)} |")
-        lines.append("")
-    return "\n".join(lines)
+    rows = [{"updates": 0, "trained": reward(model, trained), "other": reward(model, other)}]
+    for k in range(updates):
+        batch, _ = rollout_batch(run, state.model, trained, key=jax.random.key(1_000 + k), mesh=None)
+        state, _ = trainer.step(state, batch)
+        rows.append({"updates": k + 1, "trained": reward(state.model, trained), "other": reward(state.model, other)})
+        print(f"{study} seed {seed} ascent ({strategy}) {rows[-1]}", flush=True)
+    record = {"strategy": strategy, "samples": samples, "rows": rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return record
 
 
 def main() -> None:
@@ -396,14 +362,24 @@ def main() -> None:
     run.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     run.add_argument("--updates", type=int, nargs="+", default=[8, 32, 128])
     run.add_argument("--output-dir", default=str(ROOT / "runs" / "rl_study"))
+    diagnose = sub.add_parser("ascent", help="does an update raise the reward on its own prompts, and on others?")
+    diagnose.add_argument("--study", choices=list(STUDIES), default="argsort")
+    diagnose.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    diagnose.add_argument("--strategies", nargs="+", default=["threshold", "random"])
+    diagnose.add_argument("--output-dir", default=str(ROOT / "runs" / "rl_study"))
     sub.add_parser("report", help="tables and the BENCHMARKS.md section from the results on disk")
     parser.add_argument("--results", default=str(RESULTS), help="where curve points are kept (default: %(default)s)")
     args = parser.parse_args()
     RESULTS = Path(args.results)
+    if args.command == "ascent":
+        for seed in args.seeds:
+            for strategy in args.strategies:
+                ascent(args.study, seed, Path(args.output_dir), strategy=strategy)
+        return
     if args.command == "report":
-        body = report()
-        print(body)
-        write_section("rl_study", "## RL study: GRPO against controls (`bench/rl_study.py`)\n\n" + body)
+        from _rl_report import write_report
+
+        print(write_report(RESULTS))
         return
     unknown = sorted(set(args.arms) - set(ARMS))
     if unknown:

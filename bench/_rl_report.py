@@ -1,0 +1,180 @@
+"""The RL study's report: tables, the figure and the BENCHMARKS.md section, from the curve points
+`bench/rl_study.py` keeps on disk (paired over the same held-out problems, mean ± sd over seeds)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+from _report import ROOT, write_section
+from rl_study import ARMS, STUDIES
+
+
+def paired(after: dict, before: dict, key: str = "accuracy") -> tuple[float, float]:
+    """The change over the same problems (greedy accuracy, or pass@1 from the correct-sample
+    counts) and its paired standard error."""
+    if key == "accuracy":
+        a, b = (np.asarray(e["rewards"]) == 1.0 for e in (after, before))
+    else:
+        a, b = (np.asarray([int(c) for c in e["correct_samples"]]) / 4 for e in (after, before))
+    d = a.astype(np.float64) - b
+    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
+
+
+def _mean_sd(values) -> str:
+    values = np.asarray(values, np.float64)
+    sd = values.std(ddof=1) if len(values) > 1 else 0.0
+    return f"{100 * values.mean():+.1f} ± {100 * sd:.1f}"
+
+
+def collect(results: Path) -> dict[str, dict[str, dict[int, dict]]]:
+    """{study: {name: {seed: record}}} of everything on disk (arms, `base`, `ascent_*`)."""
+    out: dict[str, dict[str, dict[int, dict]]] = {}
+    for path in sorted(results.glob("*/seed*/*.json")):
+        study, seed, name = path.parent.parent.name, int(path.parent.name.removeprefix("seed")), path.stem
+        out.setdefault(study, {}).setdefault(name, {})[seed] = json.loads(path.read_text())
+    return out
+
+
+def _point(record: dict, updates: int) -> dict | None:
+    return next((p for p in record.get("points", []) if p["updates"] == updates), None)
+
+
+def curve_table(arms: dict, base: dict, seeds: list[int]) -> list[str]:
+    points = sorted({p["updates"] for name, per in arms.items() if name in ARMS
+                     for r in per.values() for p in r["points"] if p["updates"] > 0})
+    lines = ["| arm | from | updates | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± sd | pass@1 mean ± sd |",
+             "|---|---|---|" + "---|" * (len(seeds) + 2)]
+    for name in [n for n in ARMS if n in arms]:
+        arm, per = ARMS[name], arms[name]
+        for u in points:
+            row, gains, pgains, steps = [], [], [], set()
+            for s in seeds:
+                p = _point(per.get(s, {}), u)
+                if p is None:
+                    row.append("—")
+                    continue
+                steps.add(p.get("steps"))
+                g, se = paired(p["evaluation"], base[s][arm.start]["evaluation"])
+                gains.append(g)
+                pgains.append(paired(p["evaluation"], base[s][arm.start]["evaluation"], "pass@1")[0])
+                row.append(f"{100 * g:+.1f} ± {100 * se:.1f}")
+            if gains:
+                label = f"{u}" if arm.matches is None else f"≙ {u} ({'/'.join(map(str, sorted(steps)))} steps)"
+                lines.append(f"| {name} | {arm.start} | {label} | " + " | ".join(row)
+                             + f" | {_mean_sd(gains)} ({len(gains)}) | {_mean_sd(pgains)} |")
+    return lines
+
+
+def dynamics_table(arms: dict, seeds: list[int]) -> list[str]:
+    lines = ["| arm | seed | rollout reward, first → last 16 updates | entropy, first → last | "
+             "gradient cosine at 0 / 8 / 32 / 128 updates |", "|---|---|---|---|---|"]
+    for name in [n for n in ARMS if n in arms and ARMS[n].stage == "grpo"]:
+        for s in seeds:
+            record = arms[name].get(s)
+            if record is None:
+                continue
+            rows = [r for p in record["points"] for r in p.get("history", [])]
+            if len(rows) < 32:
+                continue
+            first, last = rows[:16], rows[-16:]
+            mean = lambda rs, k: float(np.mean([r[k] for r in rs]))  # noqa: E731
+            cos = " / ".join(f"{p['gradient_cosine']:.2f}" for p in record["points"] if "gradient_cosine" in p)
+            lines.append(f"| {name} | {s} | {mean(first, 'reward_mean'):.3f} → {mean(last, 'reward_mean'):.3f} | "
+                         f"{mean(first, 'entropy'):.4f} → {mean(last, 'entropy'):.4f} | {cos} |")
+    return lines
+
+
+def ascent_table(arms: dict, seeds: list[int]) -> list[str]:
+    lines = ["| rollouts | seed | reward on the 128 prompts updated on, 0 → 4 updates | on 128 other prompts |",
+             "|---|---|---|---|"]
+    for name in sorted(n for n in arms if n.startswith("ascent_")):
+        for s in seeds:
+            record = arms[name].get(s)
+            if record is None:
+                continue
+            rows = record["rows"]
+            lines.append(f"| {record['strategy']} | {s} | " + " → ".join(f"{r['trained']:.3f}" for r in rows)
+                         + " | " + " → ".join(f"{r['other']:.3f}" for r in rows) + " |")
+    return lines if len(lines) > 2 else []
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    studies = [s for s in data if "base" in data[s] and s != "smoke"]
+    fig, axes = plt.subplots(1, max(1, len(studies)), figsize=(5 * max(1, len(studies)), 3.6), squeeze=False)
+    colors = {"grpo": "tab:red", "grpo_exact": "tab:purple", "grpo_positions": "tab:orange", "grpo_rloo": "tab:pink",
+              "opd_more": "tab:blue", "sft_more": "tab:green", "grpo_from_sft": "tab:brown"}
+    for ax, study in zip(axes[0], studies):
+        arms, base = data[study], data[study]["base"]
+        for name in [n for n in ARMS if n in arms and ARMS[n].start == "opd"]:
+            by_u: dict[int, list[float]] = {}
+            for s, record in arms[name].items():
+                for p in record["points"]:
+                    if p["updates"] > 0:
+                        by_u.setdefault(p["updates"], []).append(
+                            paired(p["evaluation"], base[s]["opd"]["evaluation"])[0])
+            us = sorted(u for u in by_u if len(by_u[u]) >= 2)
+            if not us:
+                continue
+            mean = [100 * np.mean(by_u[u]) for u in us]
+            sd = [100 * np.std(by_u[u], ddof=1) for u in us]
+            ax.errorbar(us, mean, yerr=sd, marker="o", capsize=3, color=colors.get(name), label=name)
+        ax.axhline(0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GRPO updates (controls: the same wall-clock)")
+        ax.set_ylabel("held-out accuracy over OPD, points")
+        ax.set_title(study)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report(results: Path) -> str:
+    data = collect(results)
+    lines = []
+    for study, arms in data.items():
+        base = arms.get("base", {})
+        seeds = sorted(base)
+        if not seeds or study == "smoke":
+            continue
+        spec = STUDIES[study]
+        changed = f", with {json.dumps(spec.sections)}" if spec.sections else ""
+        lines += [f"### `{study}`: `{spec.preset}`{changed}", "",
+                  "| model (held-out greedy accuracy) | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+                  "|---|" + "---|" * len(seeds)]
+        for name in ("teacher", "sft", "opd"):
+            lines.append(f"| {name} | " + " | ".join(f"{base[s][name]['evaluation']['accuracy']:.3f}" for s in seeds)
+                         + " |")
+        lines += ["", "Change in held-out greedy accuracy over the arm's starting checkpoint, in points: per seed "
+                  "(± the paired standard error over the 256 problems), mean ± sd over seeds (their count), and the "
+                  "change in pass@1 at the rollout decoding (4 samples per problem). Controls (≙) ran for the "
+                  "wall-clock of that many GRPO updates.", ""]
+        lines += curve_table(arms, base, seeds) + [""]
+        dynamics = dynamics_table(arms, seeds)
+        if len(dynamics) > 2:
+            lines += ["GRPO's own rollouts (temperature as the preset's `[grpo] sampler`) and gradients:", ""]
+            lines += dynamics + [""]
+        ascents = ascent_table(arms, seeds)
+        if ascents:
+            lines += ["Four GRPO updates on one batch of 128 prompts, from the OPD model: mean reward of 64 fresh "
+                      "rollouts of each of those prompts, and of 128 other training prompts, after each update "
+                      "(`python bench/rl_study.py ascent`):", ""]
+            lines += ascents + [""]
+    return "\n".join(lines)
+
+
+def write_report(results: Path) -> str:
+    body = report(results)
+    plot(collect(results), ROOT / "bench" / "results" / "rl_study.png")
+    figure = "![held-out accuracy against GRPO updates](bench/results/rl_study.png)"
+    write_section("rl_study", "## RL study: GRPO against compute-matched controls (`bench/rl_study.py`)\n\n"
+                  "<!-- findings -->\n\n" + body + "\n" + figure)
+    return body
