@@ -176,5 +176,5 @@ def write_report(results: Path) -> str:
     plot(collect(results), ROOT / "bench" / "results" / "rl_study.png")
     figure = "![held-out accuracy against GRPO updates](bench/results/rl_study.png)"
     write_section("rl_study", "## RL study: GRPO against compute-matched controls (`bench/rl_study.py`)\n\n"
-                  "<!-- findings -->\n\n" + body + "\n" + figure)
+                  + body + "\n" + figure)
     return body
