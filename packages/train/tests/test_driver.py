@@ -147,3 +147,32 @@ def test_a_deliberate_change_is_allowed_by_name_and_recorded(run, tmp_path, caps
     with Checkpointer(run.where.checkpoint_dir("sft-student"), create=False) as checkpoints:
         overrides = checkpoints.read_meta()["overrides"]
     assert overrides == [{"step": 3, "changes": {"training.sft.optim.lr": [0.003, 0.001]}}]
+
+
+def test_sft_may_continue_another_stages_model_and_pins_where_it_started(tmp_path, monkeypatch):
+    """`run_sft(start=...)` trains on from that checkpoint's weights (a fresh optimizer), and its
+    checkpoints pin the folder it started from: another start is refused by field."""
+    from bd_train.stages import run_sft
+
+    monkeypatch.setenv("BDLM_PROGRESS", "0")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    data = tomllib.loads(SMOKE.read_text())
+    data["run"]["output_dir"] = str(tmp_path)
+    data["eval"].update(samples=0, thresholds=[])
+    config = parse_pipeline_config(data)
+    first = run_sft(config, RunDir.create(config, run_id="first"), role="student")
+    run = Run(config)
+    started = run.restore_model(first.checkpoint_dir, run.model_config("student"), run.identity("student"), what="x")
+    data["sft"]["steps"] = 1
+    data["sft"]["optim"] = {"lr": 1e-9, "warmup_steps": 0, "schedule": "constant"}
+    more_config = parse_pipeline_config(data)
+    more = run_sft(more_config, RunDir.create(more_config, run_id="more"), role="student", start=first)
+    after = Run(more_config).restore_model(more.checkpoint_dir, run.model_config("student"), run.identity("student"),
+                                           what="x")
+    # one step at lr 1e-9 from the first model: within 1e-6 of it, and not of a fresh initialization
+    drift = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(eqx.filter(after, eqx.is_array)),
+                                                             jax.tree.leaves(eqx.filter(started, eqx.is_array))))
+    assert 0 < drift < 1e-6
+    other = run_sft(config, RunDir.create(config, run_id="other"), role="student")
+    with pytest.raises(StageError, match=r"start\.checkpoint"):
+        run_sft(more_config, RunDir.create(more_config, run_id="more"), role="student", start=other)

@@ -198,7 +198,7 @@ class _Shapes:
 
     @classmethod
     def of(cls, config: Any) -> _Shapes:
-        from .stages import Run
+        from .stages._run import Run
 
         run = Run(config)
         cfg = run.config
@@ -320,7 +320,8 @@ def _rows(rows: int, mesh: jax.sharding.Mesh) -> int:
 def stage_programs(shapes: _Shapes, stage: str, mesh: jax.sharding.Mesh, *, cost: bool = True) -> list[_Program]:
     """Every program `stage` ("sft-teacher", "sft-student", "opd" or "grpo") compiles (and, with
     `cost`, the unrolled twins its cost estimates come from)."""
-    from .stages import Run, grpo_config
+    from .stages._rollout import grpo_config
+    from .stages._run import Run
 
     cfg, canvas = shapes.config, shapes.config.canvas
     context = canvas.prompt_len + canvas.max_new_tokens
@@ -514,7 +515,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
          mesh: dict[str, int] | None = None, remedies: bool = True,
          log: Callable[[str], None] = lambda _: None) -> Plan:
     """Compile every program of the preset `data` (its TOML as a dict) for `topology_name`."""
-    from .stages import parse_pipeline_config, pipeline_config
+    from .stages._config import parse_pipeline_config, pipeline_config
 
     topo = topology(topology_name, num_slices=num_slices)
     config = pipeline_config(parse_pipeline_config(data))

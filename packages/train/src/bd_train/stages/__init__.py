@@ -30,7 +30,9 @@ from ._evaluate import NFEPoint as NFEPoint
 from ._evaluate import Sample as Sample
 from ._evaluate import evaluate as evaluate
 from ._rollout import Rollouts as Rollouts
+from ._rollout import grpo_config as grpo_config
 from ._rollout import roll_out as roll_out
+from ._rollout import rollout_batch as rollout_batch
 from ._run import Run as Run
 from ._run import RunDir as RunDir
 from ._run import StageError as StageError
@@ -42,8 +44,6 @@ from ._summary import summarize as summarize
 from ._summary import summary_curve_png as summary_curve_png
 from ._summary import trained_text as trained_text
 from ._tracking import Tracker as Tracker
-from .grpo import grpo_config as grpo_config
-from .grpo import rollout_batch as rollout_batch
 from .grpo import run_grpo as run_grpo
 from .opd import run_opd as run_opd
 from .sft import run_sft as run_sft

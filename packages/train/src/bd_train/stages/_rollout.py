@@ -1,5 +1,6 @@
 """One rollout helper for OPD, GRPO and evaluation: sample on the mesh, gather the per-row
-arrays once, decode, score the rewards, count NFE.
+arrays once, decode, score the rewards, count NFE; and GRPO's batch built from it (group
+rollouts, replay, advantages), shared by the stage and by studies of its gradient.
 
 On a mesh the prompts are split over its data axes (across processes too) and the sharded model
 samples them; the trace stays on the mesh for replay, and only the small per-row arrays
@@ -10,14 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import equinox as eqx
 import jax
 import numpy as np
 
 from bd_core import RolloutOutput
-from bd_data import Example
-from bd_models import SamplerConfig, decode_completions, sample, shard_batch, to_host
+from bd_data import Example, PromptBatch
+from bd_models import SamplerConfig, decode_completions, sample, shard_batch, to_host, token_logprobs
+
+from .._grpo import GRPOBatch, GRPOConfig, compute_advantages
+from .._replay import build_replay, replay_capacity
+
+if TYPE_CHECKING:
+    from ._run import Run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,3 +69,34 @@ def roll_out(model: Any, prompts: tuple[np.ndarray, np.ndarray], examples: Seque
     texts = decode_completions(tokenizer, per_row, stop_ids=sampler.stop_ids)[:rows]
     rewards = np.asarray([reward(e, t) for e, t in zip(examples, texts)], np.float64)
     return Rollouts(rollout, texts, rewards, per_row.nfe[:rows], per_row.completion_valid[:rows].sum(axis=1))
+
+
+@eqx.filter_jit
+def _reference_logprobs(model, batch, distribution):
+    return token_logprobs(model, batch, distribution)[0]
+
+
+def grpo_config(run: Run) -> GRPOConfig:
+    """The objective `[grpo]` configures."""
+    section = run.config.grpo
+    return GRPOConfig(advantage=section.advantage, ratio=section.ratio, aggregation=section.aggregation,
+                      epsilon_low=section.epsilon_low, epsilon_high=section.epsilon_high, beta=section.beta,
+                      norm_length=run.config.canvas.max_new_tokens)
+
+
+def rollout_batch(run: Run, model: Any, prompts: PromptBatch, *, key: jax.Array, mesh: jax.sharding.Mesh | None,
+                  reference: Any = None) -> tuple[GRPOBatch, Rollouts]:
+    """One GRPO batch: `[grpo] group_size` rollouts of each prompt by `model` at `[grpo] sampler`,
+    scored, replayed and given group advantages (and the `reference` model's log-probs when given),
+    placed on the mesh; with the rollouts themselves."""
+    section, group = run.config.grpo, run.config.grpo.group_size
+    sampler = run.sampler_config(section.sampler)
+    repeat = lambda x: np.repeat(x, group, 0)  # noqa: E731
+    out = roll_out(model, (repeat(prompts.tokens), repeat(prompts.valid)),
+                   [e for e in prompts.examples for _ in range(group)], sampler, tokenizer=run.tokenizer,
+                   reward=run.reward, key=key, mesh=mesh)
+    replay = build_replay(out.rollout, mask_id=run.tokenizer.mask_id, num_views=replay_capacity(sampler))
+    ref_logp = None if reference is None else _reference_logprobs(reference, replay.batch, sampler.distribution)
+    advantages = compute_advantages(out.rewards.astype(np.float32), group, section.advantage,
+                                    eps=grpo_config(run).advantage_eps)
+    return on_mesh(GRPOBatch(replay.batch, replay.recorded_logprobs, advantages, ref_logp), mesh), out

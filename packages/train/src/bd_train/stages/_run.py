@@ -285,9 +285,15 @@ class Run:
         return committed(TrainState.init(make(), optimizer, key=train_key))
 
     def initial_state(self, role: str, model_config: ModelConfig, optimizer, *, key: jax.Array,
-                      mesh: jax.sharding.Mesh | None = None) -> TrainState:
-        """The state SFT starts from: the pretrained checkpoint's weights (read into their shards),
-        or a fresh model."""
+                      mesh: jax.sharding.Mesh | None = None, start: tuple[str, str] | None = None) -> TrainState:
+        """The state SFT starts from: the model of `start` (a stage's name and checkpoint folder:
+        SFT continuing after it, with a fresh optimizer), the pretrained checkpoint's weights (read
+        into their shards), or a fresh model."""
+        if start is not None:
+            model = self.restore_model(start[1], model_config, self.identity(role),
+                                       what=f"the {start[0]} checkpoint SFT starts from", mesh=mesh)
+            state = TrainState.init(model, optimizer, key=jax.random.split(key)[1])
+            return state if mesh is not None else committed(state)
         if not getattr(self.config, role).pretrained:
             return self.fresh_state(model_config, optimizer, key=key, mesh=mesh)
         model = self.pretrained_model(role, mesh=mesh)

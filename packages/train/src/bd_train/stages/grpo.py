@@ -7,27 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import equinox as eqx
 import jax
-import numpy as np
 
-from bd_data import PromptBatch
-from bd_models import token_logprobs
-
-from .._grpo import GRPOBatch, GRPOConfig, compute_advantages, distribution_score, make_grpo_loss
+from .._grpo import distribution_score, make_grpo_loss
 from .._optim import make_optimizer
-from .._replay import build_replay, replay_capacity
 from .._trainer import Trainer, TrainerConfig
 from ._driver import StageResult, StageSpec, drive
-from ._rollout import Rollouts, on_mesh, roll_out
+from ._rollout import grpo_config, rollout_batch
 from ._run import Run, RunDir
 
 GRPO_CURVES = ("reward_mean", "rollout_accuracy", "loss", "clip_fraction", "kl", "entropy")
-
-
-@eqx.filter_jit
-def _reference_logprobs(model, batch, distribution):
-    return token_logprobs(model, batch, distribution)[0]
 
 
 def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int | None = None) -> StageResult:
@@ -72,28 +61,3 @@ def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int 
                      optimizer.learning_rate_schedule(), GRPO_CURVES, keys["eval"], mesh, section.updates_per_rollout)
     return drive(run, spec, state, step_fn, prompts, fail_after=fail_after)
 
-
-def grpo_config(run: Run) -> GRPOConfig:
-    """The objective `[grpo]` configures."""
-    section = run.config.grpo
-    return GRPOConfig(advantage=section.advantage, ratio=section.ratio, aggregation=section.aggregation,
-                      epsilon_low=section.epsilon_low, epsilon_high=section.epsilon_high, beta=section.beta,
-                      norm_length=run.config.canvas.max_new_tokens)
-
-
-def rollout_batch(run: Run, model: Any, prompts: PromptBatch, *, key: jax.Array, mesh: jax.sharding.Mesh | None,
-                  reference: Any = None) -> tuple[GRPOBatch, Rollouts]:
-    """One GRPO batch: `[grpo] group_size` rollouts of each prompt by `model` at `[grpo] sampler`,
-    scored, replayed and given group advantages (and the `reference` model's log-probs when given),
-    placed on the mesh; with the rollouts themselves."""
-    section, group = run.config.grpo, run.config.grpo.group_size
-    sampler = run.sampler_config(section.sampler)
-    repeat = lambda x: np.repeat(x, group, 0)  # noqa: E731
-    out = roll_out(model, (repeat(prompts.tokens), repeat(prompts.valid)),
-                   [e for e in prompts.examples for _ in range(group)], sampler, tokenizer=run.tokenizer,
-                   reward=run.reward, key=key, mesh=mesh)
-    replay = build_replay(out.rollout, mask_id=run.tokenizer.mask_id, num_views=replay_capacity(sampler))
-    ref_logp = None if reference is None else _reference_logprobs(reference, replay.batch, sampler.distribution)
-    advantages = compute_advantages(out.rewards.astype(np.float32), group, section.advantage,
-                                    eps=grpo_config(run).advantage_eps)
-    return on_mesh(GRPOBatch(replay.batch, replay.recorded_logprobs, advantages, ref_logp), mesh), out

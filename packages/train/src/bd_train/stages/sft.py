@@ -1,8 +1,6 @@
-"""Stage 1: supervised masked-diffusion fine-tuning of the teacher or the student.
-
-Resumable (continues from its latest checkpoint), tracked (one W&B run), and evaluated on the
-held-out split. A role may instead adopt an existing SFT checkpoint (`[teacher] checkpoint = ...`),
-and SFT may continue from any stage's model (`start=`: e.g. more SFT after OPD, as a control).
+"""Stage 1: supervised masked-diffusion fine-tuning of the teacher or the student. Resumable,
+tracked (one W&B run), evaluated on the held-out split. A role may instead adopt an existing SFT
+checkpoint (`[teacher] checkpoint = ...`); SFT may also continue any stage's model (`start=`).
 """
 
 from __future__ import annotations
@@ -16,22 +14,20 @@ from bd_models import ModelConfig
 
 from .._optim import make_optimizer
 from .._sft import sft_objective
-from .._trainer import Trainer, TrainerConfig, TrainState
+from .._trainer import Trainer, TrainerConfig
 from ._compat import SHARED_IDENTITY_KEYS, saved_identity
 from ._driver import StageResult, StageSpec, drive, mesh_scope
 from ._evaluate import evaluate
 from ._rollout import on_mesh
-from ._run import ROLES, Run, RunDir, StageError, committed
+from ._run import ROLES, Run, RunDir, StageError
 
 SFT_CURVES = ("loss", "grad_norm")
 
 
 def run_sft(config: Any, where: RunDir, *, role: str, start: StageResult | None = None,
             fail_after: int | None = None) -> StageResult:
-    """Train (or adopt) the `role` model; returns its checkpoint, identity, history and eval.
-
-    `start`: train on from that stage's model (its weights, a fresh optimizer) instead of the
-    configured initialization; its checkpoint folder is pinned with the stage's settings."""
+    """Train (or adopt) the `role` model; returns its checkpoint, identity, history and eval. With
+    `start`, train on from that stage's model (fresh optimizer), its folder pinned in the checkpoints."""
     if role not in ROLES:
         raise StageError(f"run_sft: role must be one of {ROLES}, got {role!r}")
     run = Run(config, where)
@@ -45,13 +41,8 @@ def run_sft(config: Any, where: RunDir, *, role: str, start: StageResult | None 
     mesh = run.mesh(model_config, batch_size=cfg.sft.batch_size // cfg.sft.microbatches)
     optimizer = run.optimizer_config(cfg.sft.optim, steps)
     trainer = Trainer(sft_objective, make_optimizer(optimizer), TrainerConfig(microbatches=cfg.sft.microbatches))
-    if start is None:
-        state = run.initial_state(role, model_config, trainer.optimizer, key=keys["init"], mesh=mesh)
-    else:
-        model = run.restore_model(start.checkpoint_dir, model_config, run.identity(role),
-                                  what=f"the {start.stage} checkpoint SFT starts from", mesh=mesh)
-        state = TrainState.init(model, trainer.optimizer, key=jax.random.split(keys["init"])[1])
-        state = state if mesh is not None else committed(state)
+    state = run.initial_state(role, model_config, trainer.optimizer, key=keys["init"], mesh=mesh,
+                              start=None if start is None else (start.stage, start.checkpoint_dir))
     data = run.sft_batches(stage)
 
     def step_fn(state, step):
