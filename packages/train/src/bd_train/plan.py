@@ -20,77 +20,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from bd_core import ConfigError, DiffusionTokenBatch, DistillationBatch, ViewLayout, as_loss_output
-from bd_models import (
-    BlockDiffusionLM,
-    MeshError,
-    ModelConfig,
-    SamplerConfig,
-    SamplingDistribution,
-    add_lora,
-    batch_sharding,
-    check_divisibility,
-    lower,
-    lower_sample,
-    model_config_from_hf,
-    model_flops,
-    param_partition_specs,
-    read_hf_config,
-    token_logprobs,
-    unroll_layers,
-)
+from bd_core import ConfigError
+from bd_models import MeshError
 
-from ._grpo import GRPOBatch, distribution_score, make_grpo_loss
-from ._opd import OPDConfig, make_opd_loss
-from ._optim import make_optimizer
-from ._replay import replay_capacity
-from ._sft import sft_objective
+from ._plan_programs import ProgramPlan, compile_program, stage_programs
+from ._plan_shapes import shapes_run
 from ._tpu import GiB, Topology, TopologyError, topology
-from ._trainer import Trainer, TrainerConfig, TrainState
 
 STAGES = ("sft", "opd", "grpo")
-
-
-@dataclasses.dataclass(frozen=True)
-class ProgramPlan:
-    """One compiled program, per chip: bytes of its arguments (of which `params` are model
-    weights and `optimizer` optimizer state), outputs, aliased buffers, temporaries and generated
-    code; the compiler's FLOPs and estimated seconds; the model's matmul FLOPs (train steps)."""
-
-    stage: str
-    program: str
-    argument: int
-    output: int
-    alias: int
-    temp: int
-    code: int
-    params: int
-    optimizer: int
-    flops: float
-    bytes_accessed: float
-    seconds: float | None
-    seconds_from: str = ""  # "xla": the compiler's estimate; "roofline": max(FLOPs / peak, bytes / bandwidth)
-    model_flops: float | None = None
-    refused: str | None = None  # the TPU compiler's own out-of-memory message: the program cannot run there
-
-    @property
-    def peak(self) -> int:
-        """Bytes live at once on a chip: inputs, outputs (less what they alias), temporaries, code."""
-        return self.argument + self.output - self.alias + self.temp + self.code
 
 
 @dataclasses.dataclass
@@ -128,311 +74,6 @@ class Plan:
                            for s in self.stages]}
 
 
-# -- shapes ---------------------------------------------------------------------------------------
-
-def _sds(shape: tuple[int, ...], dtype: Any) -> Any:
-    """A shape, typed `Any`: it stands where the contracts hold arrays."""
-    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
-
-
-def _layout(rows: int, length: int) -> ViewLayout:
-    ints = [_sds((rows, length), jnp.int32) for _ in range(4)]
-    return ViewLayout(ints[0], ints[1], ints[2], ints[3], _sds((rows, length), jnp.bool_))
-
-
-def diffusion_batch(rows: int, length: int) -> DiffusionTokenBatch:
-    """A `DiffusionTokenBatch` of `rows` x `length` as shapes (the data pipelines' dtypes)."""
-    return DiffusionTokenBatch(_layout(rows, length), _sds((rows, length), jnp.int32),
-                               _sds((rows, length), jnp.float32), _sds((rows, length), jnp.float32))
-
-
-def place_batch(tree: Any, mesh: jax.sharding.Mesh) -> Any:
-    """Shapes with the data pipelines' placement: leading axis over (`data`, `fsdp`)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=batch_sharding(mesh) if x.ndim else NamedSharding(mesh, P())), tree)
-
-
-def place_state(tree: Any, model: Any, mesh: jax.sharding.Mesh) -> Any:
-    """Shapes of `tree` (a model, or a train state holding `model`) with the stages' placement:
-    every weight by `param_partition_specs`, every optimizer moment or accumulated gradient like
-    the weight it mirrors (found by path), anything else replicated."""
-    specs = jax.tree_util.tree_flatten_with_path(param_partition_specs(model, mesh),
-                                                 is_leaf=lambda x: isinstance(x, P))[0]
-    shapes = {tuple(path): leaf.shape for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]}
-    by_path = {tuple(path): spec for path, spec in specs}
-
-    def place(path, leaf):
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            return leaf
-        spec = P()
-        for start in range(len(path)):
-            suffix = tuple(path[start:])
-            if suffix in by_path and shapes[suffix] == leaf.shape:
-                spec = by_path[suffix]
-                break
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(place, tree)
-
-
-def _bytes_per_chip(tree: Any) -> int:
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-            total += int(np.prod(shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
-    return total
-
-
-# -- what the preset builds -----------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class _Shapes:
-    """The preset's models and decoding as shapes: no tokenizer file or weights are needed."""
-
-    config: Any  # PipelineConfig
-    models: dict[str, ModelConfig]
-    mask_id: int
-    pad_id: int
-    eos_id: int
-
-    @classmethod
-    def of(cls, config: Any) -> _Shapes:
-        from .stages._run import Run
-
-        run = Run(config)
-        cfg = run.config
-        folder = next((getattr(cfg, r).pretrained for r in ("student", "teacher") if getattr(cfg, r).pretrained), None)
-        tokenizer_file = cfg.tokenizer.path or (str(Path(folder) / "tokenizer.json") if folder else None)
-        if tokenizer_file is None or Path(tokenizer_file).is_file():
-            tok = run.tokenizer
-            models = {role: run.model_config(role) for role in ("teacher", "student")}
-            return cls(cfg, models, tok.mask_id, tok.pad_id, tok.eos_id)
-        # A pretrained folder holding config.json only (a plan before the weights are fetched):
-        # the vocabulary and special ids come from the config.
-        assert folder is not None
-        models = {}
-        for role in ("teacher", "student"):
-            section = getattr(cfg, role)
-            raw = read_hf_config(section.pretrained or folder)
-            kwargs = section.model_kwargs()
-            models[role] = model_config_from_hf(
-                raw, where=str(Path(section.pretrained or folder) / "config.json"), block_size=cfg.canvas.block_size,
-                vocab_size=int(raw["vocab_size"]) + int(cfg.tokenizer.add_mask_token),
-                **{k: kwargs[k] for k in ("param_dtype", "compute_dtype", "attention", "remat")})
-        raw = read_hf_config(folder)
-        vocab = models["student"].vocab_size
-        eos = raw.get("eos_token_id", 0)
-        eos = int(eos[0] if isinstance(eos, list) else eos)
-        mask = int(raw.get("mask_token_id", vocab - 1))
-        pad = raw.get("pad_token_id")  # ids only shape nothing: any id the sampler may not emit will do
-        if pad in (None, eos, mask):
-            pad = next(i for i in range(vocab - 1, 0, -1) if i not in (eos, mask))
-        return cls(cfg, models, mask, int(pad), eos)
-
-    def sampler(self, section: Any) -> SamplerConfig:
-        canvas = self.config.canvas
-        return SamplerConfig(block_size=canvas.block_size, max_new_tokens=canvas.max_new_tokens, mask_id=self.mask_id,
-                             pad_id=self.pad_id, distribution=SamplingDistribution(temperature=section.temperature,
-                                                                                   top_k=section.top_k,
-                                                                                   top_p=section.top_p),
-                             strategy=section.strategy, threshold=section.threshold,
-                             steps_per_block=section.steps_per_block,
-                             max_steps_per_block=section.max_steps_per_block, confidence=section.confidence,
-                             stop_ids=(self.eos_id,))
-
-    def make_model(self, role: str, stage: str) -> Callable[[], Any]:
-        """What the stage trains or runs for `role`, to build under `eval_shape`: the model, with
-        fresh LoRA adapters where `[role] lora` names the stage."""
-        section = getattr(self.config, role)
-        lora = section.lora.lora_config() if section.lora is not None and stage in section.lora.stages else None
-        config = self.models[role]
-
-        def make():
-            model = BlockDiffusionLM(config, key=jax.random.key(0))
-            return model if lora is None else add_lora(model, lora, key=jax.random.key(1))
-
-        return make
-
-
-# -- programs -------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class _Program:
-    """A lowered program; `cost` (with its multiplicity) is the same computation with the layers
-    unrolled, lowered only for XLA's cost analysis, which counts a loop body once."""
-
-    stage: str
-    program: str
-    lowered: Any
-    params: int = 0
-    optimizer: int = 0
-    model_flops: float | None = None
-    cost: tuple[Any, int] | None = None
-
-
-def _train_programs(stage: str, trainer: Trainer, make: Callable[[], Any], batch: Any, mesh: jax.sharding.Mesh,
-                    model_config: ModelConfig, tokens: tuple[int, int], microbatches: int = 1,
-                    cost: bool = True) -> list[_Program]:
-    """The scanned train step, and with `microbatches` > 1 the streamed step's two programs;
-    `cost=False` skips the unrolled programs that only serve the cost estimate."""
-    abstract = eqx.filter_eval_shape(lambda: TrainState.init(make(), trainer.optimizer, key=jax.random.key(0)))
-    state = place_state(abstract, abstract.model, mesh)
-    flops = 3 * model_flops(model_config, tokens)["matmul_forward"] / mesh.size
-    params, optimizer = _bytes_per_chip(state.model), _bytes_per_chip(state.opt_state)
-    # For the cost: one microbatch's step with the layers unrolled (the microbatch scan and the
-    # layer scan are loops whose bodies XLA's cost analysis counts once), times the microbatches.
-    micro = jax.tree.map(lambda x: _sds((x.shape[0] // microbatches, *x.shape[1:]), x.dtype), batch)
-    one = Trainer(trainer.loss_fn, trainer.optimizer)
-    with unroll_layers():
-        costed = (one.lower(state, place_batch(micro, mesh)), microbatches) if cost else None
-    out = [_Program(stage, "train step", trainer.lower(state, place_batch(batch, mesh)), params, optimizer, flops,
-                    costed)]
-    if microbatches > 1:
-        streaming = Trainer(trainer.loss_fn, trainer.optimizer, TrainerConfig(streaming=True))
-        like = jax.eval_shape(lambda: as_loss_output(streaming.loss_fn(
-            make(), jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), micro), jax.random.key(0))))
-        abstract = eqx.filter_eval_shape(lambda: TrainState.init(make(), trainer.optimizer, key=jax.random.key(0),
-                                                                 streaming=True, like=like))
-        state = place_state(abstract, abstract.model, mesh)
-        for update, name in ((False, "streamed step: accumulate"), (True, "streamed step: apply")):
-            lowered = streaming.lower(state, place_batch(micro, mesh), is_update_step=update)
-            with unroll_layers():
-                costed = (streaming.lower(state, place_batch(micro, mesh), is_update_step=update), 1) if cost else None
-            out.append(_Program(stage, name, lowered, params, optimizer, flops / microbatches, costed))
-    return out
-
-
-def _sampler_program(stage: str, name: str, make: Callable[[], Any], sampler: SamplerConfig, rows: int,
-                     prompt_len: int, mesh: jax.sharding.Mesh) -> _Program:
-    abstract = eqx.filter_eval_shape(make)
-    model = place_state(abstract, abstract, mesh)
-    tokens, valid = place_batch((_sds((rows, prompt_len), jnp.int32), _sds((rows, prompt_len), jnp.bool_)), mesh)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
-    return _Program(stage, name, lower_sample(model, tokens, valid, sampler, key=key), _bytes_per_chip(model))
-
-
-def _rows(rows: int, mesh: jax.sharding.Mesh) -> int:
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    return -(-rows // shards) * shards
-
-
-def stage_programs(shapes: _Shapes, stage: str, mesh: jax.sharding.Mesh, *, cost: bool = True) -> list[_Program]:
-    """Every program `stage` ("sft-teacher", "sft-student", "opd" or "grpo") compiles (and, with
-    `cost`, the unrolled twins its cost estimates come from)."""
-    from .stages._rollout import grpo_config
-    from .stages._run import Run
-
-    cfg, canvas = shapes.config, shapes.config.canvas
-    context = canvas.prompt_len + canvas.max_new_tokens
-    eval_sampler = shapes.sampler(cfg.eval.sampler)
-    eval_rows = _rows(min(cfg.eval.batch_size, cfg.eval.n), mesh)
-    if stage.startswith("sft-"):
-        role = stage.removeprefix("sft-")
-        sft, model_config = cfg.sft, shapes.models[role]
-        check_divisibility(model_config, mesh, sft.batch_size // sft.microbatches)
-        length = context + canvas.max_new_tokens * sft.corruption.views
-        optimizer = make_optimizer(Run.optimizer_config(sft.optim, sft.steps_for(role)))
-        trainer = Trainer(sft_objective, optimizer, TrainerConfig(microbatches=sft.microbatches))
-        make = shapes.make_model(role, "sft")
-        programs = _train_programs(stage, trainer, make, diffusion_batch(sft.batch_size, length), mesh, model_config,
-                                   (sft.batch_size, length), sft.microbatches, cost)
-        return programs + [_sampler_program(stage, "held-out decoding", make, eval_sampler, eval_rows,
-                                            canvas.prompt_len, mesh)]
-    student = shapes.models["student"]
-    section = cfg.opd if stage == "opd" else cfg.grpo
-    sampler = shapes.sampler(section.sampler)
-    rows = section.prompts_per_step * (cfg.grpo.group_size if stage == "grpo" else 1)
-    check_divisibility(student, mesh, rows // section.microbatches)
-    length = context + replay_capacity(sampler) * canvas.block_size
-    replay = diffusion_batch(rows, length)
-    make = shapes.make_model("student", stage)
-    optimizer = make_optimizer(Run.optimizer_config(section.optim, section.steps))
-    programs = [_sampler_program(stage, "rollouts", make, sampler, rows, canvas.prompt_len, mesh)]
-    if stage == "opd":
-        teacher_make = shapes.make_model("teacher", "opd")
-        teacher = eqx.filter_eval_shape(teacher_make)
-        logits = jax.eval_shape(lambda: teacher_make()(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                                                   replay.layout)))
-        placed, layout = place_state(teacher, teacher, mesh), place_batch(replay.layout, mesh)
-        forward = lambda t, layout: t(layout)  # noqa: E731
-        with unroll_layers():
-            costed = (lower(forward, placed, layout), 1) if cost else None
-        programs.append(_Program(stage, "teacher forward", lower(forward, placed, layout), _bytes_per_chip(placed),
-                                 cost=costed))
-        loss = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
-                                       positions=section.positions, mask_id=shapes.mask_id))
-        batch = DistillationBatch(replay, _sds(logits.shape, logits.dtype))
-    else:
-        run = Run(cfg)
-        distribution = sampler.distribution
-        ref = _sds((rows, length), jnp.float32) if section.beta > 0 else None
-        if ref is not None:
-            reference = eqx.filter_eval_shape(make)
-            placed = place_state(reference, reference, mesh)
-            score = lambda m, b: token_logprobs(m, b, distribution)[0]  # noqa: E731
-            with unroll_layers():
-                costed = (lower(score, placed, place_batch(replay, mesh)), 1) if cost else None
-            programs.append(_Program(stage, "reference scoring", lower(score, placed, place_batch(replay, mesh)),
-                                     _bytes_per_chip(placed), cost=costed))
-        loss = make_grpo_loss(grpo_config(run), distribution_score(distribution))
-        batch = GRPOBatch(replay, _sds((rows, length), jnp.float32), _sds((rows,), jnp.float32), ref)
-    trainer = Trainer(loss, optimizer, TrainerConfig(microbatches=section.microbatches))
-    programs += _train_programs(stage, trainer, make, batch, mesh, student, (rows, length), section.microbatches,
-                                cost)
-    programs.append(_sampler_program(stage, "held-out decoding", make, eval_sampler, eval_rows, canvas.prompt_len,
-                                     mesh))
-    return programs
-
-
-def _cost(compiled: Any) -> dict[str, float]:
-    cost = compiled.cost_analysis()
-    return (cost[0] if cost else {}) if isinstance(cost, list) else (cost or {})
-
-
-def _refused(program: _Program, message: str) -> ProgramPlan:
-    """A program the TPU compiler would not build for lack of HBM ("Ran out of memory on HBM, the
-    total memory required for HLO temporaries (37.80G) exceeds available HBM (15.75G)"): its
-    temporaries are the sizes named."""
-    line = next((s.strip() for s in message.splitlines() if "RESOURCE_EXHAUSTED" in s), message.strip())
-    line = line[line.index("RESOURCE_EXHAUSTED"):]
-    found = re.search(r"\(([\d.]+)([KMGT])\)", line)
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    temp = int(float(found.group(1)) * scale[found.group(2)]) if found else 0
-    return ProgramPlan(program.stage, program.program, 0, 0, 0, temp, 0, program.params, program.optimizer, 0.0, 0.0,
-                       None, "", program.model_flops, refused=line)
-
-
-def compile_program(program: _Program, chip: Any) -> ProgramPlan:
-    """Compile for memory (the program as it runs) and for cost (`program.cost`: XLA counts a
-    loop body once, so the sampler's figures are one pass of its loops and carry no time). The
-    time is XLA's estimate where its TPU cost model gives one, else the roofline bound from its
-    FLOPs and bytes accessed against the chip's peak and HBM bandwidth."""
-    try:
-        compiled = program.lowered.compile()
-    except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        return _refused(program, str(err))
-    memory = compiled.memory_analysis()
-    seconds, source = None, ""
-    if program.cost is not None:
-        lowered, times = program.cost
-        cost = _cost(lowered.compile())
-        flops, accessed = times * float(cost.get("flops", 0.0)), times * float(cost.get("bytes accessed", 0.0))
-        if cost.get("optimal_seconds", -1.0) > 0:  # negative: the cost model has no estimate
-            seconds, source = times * float(cost["optimal_seconds"]), "xla"
-        else:
-            seconds, source = max(flops / chip.peak_flops, accessed / chip.hbm_bandwidth), "roofline"
-    else:
-        cost = _cost(compiled)
-        flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-    return ProgramPlan(program.stage, program.program, int(memory.argument_size_in_bytes),
-                       int(memory.output_size_in_bytes), int(memory.alias_size_in_bytes),
-                       int(memory.temp_size_in_bytes), int(memory.generated_code_size_in_bytes), program.params,
-                       program.optimizer, flops, accessed, seconds, source, program.model_flops)
-
-
 # -- meshes, remedies and the plan -----------------------------------------------------------------
 
 def make_plan_mesh(mesh: dict[str, int], topo: Topology) -> jax.sharding.Mesh:
@@ -467,9 +108,9 @@ def _stage_names(config: Any, which: str) -> list[str]:
 def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topology,
                log: Callable[[str], None] = lambda _: None, *, cost: bool = True) -> StagePlan:
     mesh = make_plan_mesh(mesh_shape, topo)
-    shapes = _Shapes.of(config)
+    run = shapes_run(config)
     programs = []
-    for program in stage_programs(shapes, stage, mesh, cost=cost):
+    for program in stage_programs(run, stage, mesh, cost=cost):
         log(f"  compiling {stage}: {program.program} ...")
         programs.append(compile_program(program, topo.chip))
     return StagePlan(stage, programs, topo.chip.hbm)

@@ -160,14 +160,9 @@ def evaluate(model: Any, run: Run, *, key: jax.Array, title: str = "", mesh: jax
                       rewards=tuple(rewards.tolist()))
 
 
-def sampled_pass_at_k(model: Any, run: Run, samples: int, *, key: jax.Array,
-                      mesh: jax.sharding.Mesh | None = None) -> dict[str, float]:
-    """pass@k for k = 1, 2, 4, ... ≤ `samples`, from `samples` rollouts per eval problem at the
-    rollout decoding (`[grpo] sampler`), averaged over the problems."""
-    return _pass_at_k(sampled_correct(model, run, samples, key=key, mesh=mesh), samples)
-
-
 def _pass_at_k(correct: np.ndarray, samples: int) -> dict[str, float]:
+    """pass@k for k = 1, 2, 4, ... ≤ `samples`, averaged over the problems, from each problem's
+    count of correct rollouts among `samples`."""
     ks = [k for k in (2 ** i for i in range(samples.bit_length())) if k <= samples]
     return {f"pass@{k}": float(np.mean([pass_at_k(samples, int(c), k) for c in correct])) for k in ks}
 

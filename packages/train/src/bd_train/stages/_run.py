@@ -99,12 +99,16 @@ class RunDir:
 
 class Run:
     """A pipeline run as one stage sees it: config, folders, and everything built from the config.
-    Without `where` it builds the configs and models only (nothing is written)."""
+    Without `where` it builds the configs and models only (nothing is written). `tokenizer`
+    stands in for the configured one (anything with `vocab_size`, `mask_id`, `pad_id`, `eos_id`:
+    an ahead-of-time plan of a checkpoint whose tokenizer file is not at hand)."""
 
-    def __init__(self, config: Any, where: RunDir | None = None):
+    def __init__(self, config: Any, where: RunDir | None = None, *, tokenizer: Any = None):
         self.config: PipelineConfig = pipeline_config(config)
         self._where = where
         self._identities: dict[str, Fingerprint] = {}
+        if tokenizer is not None:
+            self.tokenizer = tokenizer  # fills the cached property
 
     @property
     def where(self) -> RunDir:

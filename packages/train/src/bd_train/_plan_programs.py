@@ -1,0 +1,238 @@
+"""The programs of an ahead-of-time plan: every program a stage runs, lowered from shapes on a
+mesh (`_plan_shapes`), compiled, and read for memory per chip and XLA's cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from bd_core import DistillationBatch, as_loss_output
+from bd_models import (
+    ModelConfig,
+    SamplerConfig,
+    check_divisibility,
+    lower,
+    lower_sample,
+    model_flops,
+    token_logprobs,
+    unroll_layers,
+)
+
+from ._grpo import GRPOBatch, distribution_score, make_grpo_loss
+from ._opd import OPDConfig, make_opd_loss
+from ._optim import make_optimizer
+from ._plan_shapes import bytes_per_chip, diffusion_batch, model_maker, place_batch, place_state, sds
+from ._replay import replay_capacity
+from ._sft import sft_objective
+from ._trainer import Trainer, TrainerConfig, TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramPlan:
+    """One compiled program, per chip: bytes of its arguments (of which `params` are model
+    weights and `optimizer` optimizer state), outputs, aliased buffers, temporaries and generated
+    code; the compiler's FLOPs and estimated seconds; the model's matmul FLOPs (train steps)."""
+
+    stage: str
+    program: str
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    code: int
+    params: int
+    optimizer: int
+    flops: float
+    bytes_accessed: float
+    seconds: float | None
+    seconds_from: str = ""  # "xla": the compiler's estimate; "roofline": max(FLOPs / peak, bytes / bandwidth)
+    model_flops: float | None = None
+    refused: str | None = None  # the TPU compiler's own out-of-memory message: the program cannot run there
+
+    @property
+    def peak(self) -> int:
+        """Bytes live at once on a chip: inputs, outputs (less what they alias), temporaries, code."""
+        return self.argument + self.output - self.alias + self.temp + self.code
+
+
+@dataclasses.dataclass
+class _Program:
+    """A lowered program; `cost` (with its multiplicity) is the same computation with the layers
+    unrolled, lowered only for XLA's cost analysis, which counts a loop body once."""
+
+    stage: str
+    program: str
+    lowered: Any
+    params: int = 0
+    optimizer: int = 0
+    model_flops: float | None = None
+    cost: tuple[Any, int] | None = None
+
+
+def _train_programs(stage: str, trainer: Trainer, make: Callable[[], Any], batch: Any, mesh: jax.sharding.Mesh,
+                    model_config: ModelConfig, tokens: tuple[int, int], microbatches: int = 1,
+                    cost: bool = True) -> list[_Program]:
+    """The scanned train step, and with `microbatches` > 1 the streamed step's two programs;
+    `cost=False` skips the unrolled programs that only serve the cost estimate."""
+    abstract = eqx.filter_eval_shape(lambda: TrainState.init(make(), trainer.optimizer, key=jax.random.key(0)))
+    state = place_state(abstract, abstract.model, mesh)
+    flops = 3 * model_flops(model_config, tokens)["matmul_forward"] / mesh.size
+    params, optimizer = bytes_per_chip(state.model), bytes_per_chip(state.opt_state)
+    # For the cost: one microbatch's step with the layers unrolled (the microbatch scan and the
+    # layer scan are loops whose bodies XLA's cost analysis counts once), times the microbatches.
+    micro = jax.tree.map(lambda x: sds((x.shape[0] // microbatches, *x.shape[1:]), x.dtype), batch)
+    one = Trainer(trainer.loss_fn, trainer.optimizer)
+    with unroll_layers():
+        costed = (one.lower(state, place_batch(micro, mesh)), microbatches) if cost else None
+    out = [_Program(stage, "train step", trainer.lower(state, place_batch(batch, mesh)), params, optimizer, flops,
+                    costed)]
+    if microbatches > 1:
+        streaming = Trainer(trainer.loss_fn, trainer.optimizer, TrainerConfig(streaming=True))
+        like = jax.eval_shape(lambda: as_loss_output(streaming.loss_fn(
+            make(), jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), micro), jax.random.key(0))))
+        abstract = eqx.filter_eval_shape(lambda: TrainState.init(make(), trainer.optimizer, key=jax.random.key(0),
+                                                                 streaming=True, like=like))
+        state = place_state(abstract, abstract.model, mesh)
+        for update, name in ((False, "streamed step: accumulate"), (True, "streamed step: apply")):
+            lowered = streaming.lower(state, place_batch(micro, mesh), is_update_step=update)
+            with unroll_layers():
+                costed = (streaming.lower(state, place_batch(micro, mesh), is_update_step=update), 1) if cost else None
+            out.append(_Program(stage, name, lowered, params, optimizer, flops / microbatches, costed))
+    return out
+
+
+def _sampler_program(stage: str, name: str, make: Callable[[], Any], sampler: SamplerConfig, rows: int,
+                     prompt_len: int, mesh: jax.sharding.Mesh) -> _Program:
+    abstract = eqx.filter_eval_shape(make)
+    model = place_state(abstract, abstract, mesh)
+    tokens, valid = place_batch((sds((rows, prompt_len), jnp.int32), sds((rows, prompt_len), jnp.bool_)), mesh)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+    return _Program(stage, name, lower_sample(model, tokens, valid, sampler, key=key), bytes_per_chip(model))
+
+
+def _rows(rows: int, mesh: jax.sharding.Mesh) -> int:
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    return -(-rows // shards) * shards
+
+
+def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: bool = True) -> list[_Program]:
+    """Every program `stage` ("sft-teacher", "sft-student", "opd" or "grpo") of `run` (a
+    `shapes_run`) compiles (and, with `cost`, the unrolled twins its cost estimates come from)."""
+    from .stages._rollout import grpo_config
+
+    cfg, canvas = run.config, run.config.canvas
+    context = canvas.prompt_len + canvas.max_new_tokens
+    eval_sampler = run.sampler_config(cfg.eval.sampler)
+    eval_rows = _rows(min(cfg.eval.batch_size, cfg.eval.n), mesh)
+    if stage.startswith("sft-"):
+        role = stage.removeprefix("sft-")
+        sft, model_config = cfg.sft, run.model_config(role)
+        check_divisibility(model_config, mesh, sft.batch_size // sft.microbatches)
+        length = context + canvas.max_new_tokens * sft.corruption.views
+        optimizer = make_optimizer(run.optimizer_config(sft.optim, sft.steps_for(role)))
+        trainer = Trainer(sft_objective, optimizer, TrainerConfig(microbatches=sft.microbatches))
+        make = model_maker(run, role, "sft")
+        programs = _train_programs(stage, trainer, make, diffusion_batch(sft.batch_size, length), mesh, model_config,
+                                   (sft.batch_size, length), sft.microbatches, cost)
+        return programs + [_sampler_program(stage, "held-out decoding", make, eval_sampler, eval_rows,
+                                            canvas.prompt_len, mesh)]
+    student = run.model_config("student")
+    section = cfg.opd if stage == "opd" else cfg.grpo
+    sampler = run.sampler_config(section.sampler)
+    rows = section.prompts_per_step * (cfg.grpo.group_size if stage == "grpo" else 1)
+    check_divisibility(student, mesh, rows // section.microbatches)
+    length = context + replay_capacity(sampler) * canvas.block_size
+    replay = diffusion_batch(rows, length)
+    make = model_maker(run, "student", stage)
+    optimizer = make_optimizer(run.optimizer_config(section.optim, section.steps))
+    programs = [_sampler_program(stage, "rollouts", make, sampler, rows, canvas.prompt_len, mesh)]
+    if stage == "opd":
+        teacher_make = model_maker(run, "teacher", "opd")
+        teacher = eqx.filter_eval_shape(teacher_make)
+        logits = jax.eval_shape(lambda: teacher_make()(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                                                   replay.layout)))
+        placed, layout = place_state(teacher, teacher, mesh), place_batch(replay.layout, mesh)
+        forward = lambda t, layout: t(layout)  # noqa: E731
+        with unroll_layers():
+            costed = (lower(forward, placed, layout), 1) if cost else None
+        programs.append(_Program(stage, "teacher forward", lower(forward, placed, layout), bytes_per_chip(placed),
+                                 cost=costed))
+        loss = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
+                                       positions=section.positions, mask_id=run.tokenizer.mask_id))
+        batch = DistillationBatch(replay, sds(logits.shape, logits.dtype))
+    else:
+        distribution = sampler.distribution
+        ref = sds((rows, length), jnp.float32) if section.beta > 0 else None
+        if ref is not None:
+            reference = eqx.filter_eval_shape(make)
+            placed = place_state(reference, reference, mesh)
+            score = lambda m, b: token_logprobs(m, b, distribution)[0]  # noqa: E731
+            with unroll_layers():
+                costed = (lower(score, placed, place_batch(replay, mesh)), 1) if cost else None
+            programs.append(_Program(stage, "reference scoring", lower(score, placed, place_batch(replay, mesh)),
+                                     bytes_per_chip(placed), cost=costed))
+        loss = make_grpo_loss(grpo_config(run), distribution_score(distribution))
+        batch = GRPOBatch(replay, sds((rows, length), jnp.float32), sds((rows,), jnp.float32), ref)
+    trainer = Trainer(loss, optimizer, TrainerConfig(microbatches=section.microbatches))
+    programs += _train_programs(stage, trainer, make, batch, mesh, student, (rows, length), section.microbatches,
+                                cost)
+    programs.append(_sampler_program(stage, "held-out decoding", make, eval_sampler, eval_rows, canvas.prompt_len,
+                                     mesh))
+    return programs
+
+
+def _cost(compiled: Any) -> dict[str, float]:
+    cost = compiled.cost_analysis()
+    return (cost[0] if cost else {}) if isinstance(cost, list) else (cost or {})
+
+
+def _refused(program: _Program, message: str) -> ProgramPlan:
+    """A program the TPU compiler would not build for lack of HBM ("Ran out of memory on HBM, the
+    total memory required for HLO temporaries (37.80G) exceeds available HBM (15.75G)"): its
+    temporaries are the sizes named."""
+    line = next((s.strip() for s in message.splitlines() if "RESOURCE_EXHAUSTED" in s), message.strip())
+    line = line[line.index("RESOURCE_EXHAUSTED"):]
+    found = re.search(r"\(([\d.]+)([KMGT])\)", line)
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    temp = int(float(found.group(1)) * scale[found.group(2)]) if found else 0
+    return ProgramPlan(program.stage, program.program, 0, 0, 0, temp, 0, program.params, program.optimizer, 0.0, 0.0,
+                       None, "", program.model_flops, refused=line)
+
+
+def compile_program(program: _Program, chip: Any) -> ProgramPlan:
+    """Compile for memory (the program as it runs) and for cost (`program.cost`: XLA counts a
+    loop body once, so the sampler's figures are one pass of its loops and carry no time). The
+    time is XLA's estimate where its TPU cost model gives one, else the roofline bound from its
+    FLOPs and bytes accessed against the chip's peak and HBM bandwidth."""
+    try:
+        compiled = program.lowered.compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        return _refused(program, str(err))
+    memory = compiled.memory_analysis()
+    seconds, source = None, ""
+    if program.cost is not None:
+        lowered, times = program.cost
+        cost = _cost(lowered.compile())
+        flops, accessed = times * float(cost.get("flops", 0.0)), times * float(cost.get("bytes accessed", 0.0))
+        if cost.get("optimal_seconds", -1.0) > 0:  # negative: the cost model has no estimate
+            seconds, source = times * float(cost["optimal_seconds"]), "xla"
+        else:
+            seconds, source = max(flops / chip.peak_flops, accessed / chip.hbm_bandwidth), "roofline"
+    else:
+        cost = _cost(compiled)
+        flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    return ProgramPlan(program.stage, program.program, int(memory.argument_size_in_bytes),
+                       int(memory.output_size_in_bytes), int(memory.alias_size_in_bytes),
+                       int(memory.temp_size_in_bytes), int(memory.generated_code_size_in_bytes), program.params,
+                       program.optimizer, flops, accessed, seconds, source, program.model_flops)

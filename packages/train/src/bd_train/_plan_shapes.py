@@ -1,0 +1,120 @@
+"""Shapes for ahead-of-time plans: the pipeline's batches as `jax.ShapeDtypeStruct`s, placed on a
+mesh as the stages place arrays (weights by their partition specs, optimizer moments like their
+weights, batches over the data axes), and the preset's run made without weights, data or, for a
+pretrained folder that holds only config.json, a tokenizer file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from bd_core import DiffusionTokenBatch, ViewLayout
+from bd_models import BlockDiffusionLM, add_lora, batch_sharding, param_partition_specs, read_hf_config
+
+
+def sds(shape: tuple[int, ...], dtype: Any) -> Any:
+    """A shape, typed `Any`: it stands where the contracts hold arrays."""
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+def _layout(rows: int, length: int) -> ViewLayout:
+    ints = [sds((rows, length), jnp.int32) for _ in range(4)]
+    return ViewLayout(ints[0], ints[1], ints[2], ints[3], sds((rows, length), jnp.bool_))
+
+
+def diffusion_batch(rows: int, length: int) -> DiffusionTokenBatch:
+    """A `DiffusionTokenBatch` of `rows` x `length` as shapes (the data pipelines' dtypes)."""
+    return DiffusionTokenBatch(_layout(rows, length), sds((rows, length), jnp.int32),
+                               sds((rows, length), jnp.float32), sds((rows, length), jnp.float32))
+
+
+def place_batch(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Shapes with the data pipelines' placement: leading axis over (`data`, `fsdp`)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=batch_sharding(mesh) if x.ndim else NamedSharding(mesh, P())), tree)
+
+
+def place_state(tree: Any, model: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Shapes of `tree` (a model, or a train state holding `model`) with the stages' placement:
+    every weight by `param_partition_specs`, every optimizer moment or accumulated gradient like
+    the weight it mirrors (found by path), anything else replicated."""
+    specs = jax.tree_util.tree_flatten_with_path(param_partition_specs(model, mesh),
+                                                 is_leaf=lambda x: isinstance(x, P))[0]
+    shapes = {tuple(path): leaf.shape for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]}
+    by_path = {tuple(path): spec for path, spec in specs}
+
+    def place(path, leaf):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        spec = P()
+        for start in range(len(path)):
+            suffix = tuple(path[start:])
+            if suffix in by_path and shapes[suffix] == leaf.shape:
+                spec = by_path[suffix]
+                break
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(place, tree)
+
+
+def bytes_per_chip(tree: Any) -> int:
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+            total += int(np.prod(shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecialIds:
+    """What a plan needs of a tokenizer: the vocabulary size and the ids the sampler treats apart."""
+
+    vocab_size: int
+    mask_id: int
+    pad_id: int
+    eos_id: int
+
+
+def shapes_run(config: Any):
+    """The preset's `Run` for shapes: with its configured tokenizer, or, when a pretrained folder
+    holds config.json only (a plan before the weights are fetched), the vocabulary and special
+    ids of that config."""
+    from .stages._run import Run
+
+    run = Run(config)
+    cfg = run.config
+    folder = next((getattr(cfg, r).pretrained for r in ("student", "teacher") if getattr(cfg, r).pretrained), None)
+    tokenizer_file = cfg.tokenizer.path or (str(Path(folder) / "tokenizer.json") if folder else None)
+    if folder is None or tokenizer_file is None or Path(tokenizer_file).is_file():
+        return run
+    raw = read_hf_config(folder)
+    vocab = int(raw["vocab_size"]) + int(cfg.tokenizer.add_mask_token)
+    eos = raw.get("eos_token_id", 0)
+    eos = int(eos[0] if isinstance(eos, list) else eos)
+    mask = int(raw.get("mask_token_id", vocab - 1))
+    pad = raw.get("pad_token_id")  # ids shape nothing: any id the sampler may not emit will do
+    if pad in (None, eos, mask):
+        pad = next(i for i in range(vocab - 1, 0, -1) if i not in (eos, mask))
+    return Run(config, tokenizer=SpecialIds(vocab, mask, int(pad), eos))
+
+
+def model_maker(run: Any, role: str, stage: str) -> Callable[[], Any]:
+    """What `stage` trains or runs for `role`, to build under `eval_shape`: the model, with fresh
+    LoRA adapters where `[role] lora` names the stage."""
+    config, lora = run.model_config(role), run.lora(role, stage)
+
+    def make():
+        model = BlockDiffusionLM(config, key=jax.random.key(0))
+        return model if lora is None else add_lora(model, lora, key=jax.random.key(1))
+
+    return make
