@@ -107,8 +107,11 @@ def plot(data: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    studies = [s for s in data if "base" in data[s] and s != "smoke"
-               and any(p["updates"] > 0 for n in data[s] if n in ARMS for r in data[s][n].values() for p in r["points"])]
+    def has_curves(study: str) -> bool:
+        return any(p["updates"] > 0 for n in data[study] if n in ARMS
+                   for r in data[study][n].values() for p in r["points"])
+
+    studies = [s for s in data if "base" in data[s] and s != "smoke" and has_curves(s)]
     fig, axes = plt.subplots(1, max(1, len(studies)), figsize=(5 * max(1, len(studies)), 3.6), squeeze=False)
     colors = {"grpo": "tab:red", "grpo_exact": "tab:purple", "grpo_positions": "tab:orange", "grpo_rloo": "tab:pink",
               "opd_more": "tab:blue", "sft_more": "tab:green", "grpo_from_sft": "tab:brown"}
