@@ -1,6 +1,8 @@
 """A few SFT steps on a (data=2, fsdp=2, model=2) mesh, then a checkpoint: run as one process of a
 multi-process group (`python distributed_worker.py <coordinator> <count> <id> <dir>`) or imported
-by the test as the single-process reference on 8 devices."""
+by the test as the single-process reference on 8 devices. With a fifth argument `restore`, a group
+process only restores `<dir>/checkpoints` into that mesh and writes what happened to
+`<dir>/restore-<id>.txt` ("restored", or the refusal's message)."""
 
 from __future__ import annotations
 
@@ -25,17 +27,38 @@ def _batches(shard: int | None):
                                 shard_count=SHARDS), prefetch=0) for i in shards]
 
 
-def train(directory: Path) -> tuple[list[float], object]:
-    """Steps 1..2 on process-local grain shards, step 3 on a global batch every process reads whole."""
+def _fresh_state():
     from bd_data import ByteTokenizer
-    from bd_models import BlockDiffusionLM, ModelConfig, make_mesh, shard_batch, shard_model
-    from bd_train import Checkpointer, OptimizerConfig, Trainer, make_optimizer, sft_objective
+    from bd_models import BlockDiffusionLM, ModelConfig, make_mesh, shard_model
+    from bd_train import OptimizerConfig, Trainer, make_optimizer, sft_objective
 
     mesh = make_mesh(2, 2, 2)
     config = ModelConfig(vocab_size=ByteTokenizer().vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                          d_ff=64, block_size=4, attention="shard_map", q_tile=16, k_tile=16)
     trainer = Trainer(sft_objective, make_optimizer(OptimizerConfig(learning_rate=1e-2)))
-    state = trainer.init(shard_model(BlockDiffusionLM(config, key=jax.random.key(0)), mesh), key=jax.random.key(1))
+    return mesh, trainer, trainer.init(shard_model(BlockDiffusionLM(config, key=jax.random.key(0)), mesh),
+                                       key=jax.random.key(1))
+
+
+def restore(directory: Path) -> str:
+    """Restore the group's checkpoint into a fresh state on the mesh: "restored", or the refusal."""
+    from bd_train import Checkpointer, CheckpointError
+
+    _, _, target = _fresh_state()
+    try:
+        with Checkpointer(directory / "checkpoints", create=False) as checkpoints:
+            checkpoints.restore(target)
+    except CheckpointError as err:
+        return str(err)
+    return "restored"
+
+
+def train(directory: Path) -> tuple[list[float], object]:
+    """Steps 1..2 on process-local grain shards, step 3 on a global batch every process reads whole."""
+    from bd_models import shard_batch
+    from bd_train import Checkpointer
+
+    mesh, trainer, state = _fresh_state()
     local = jax.process_count() > 1
     streams = _batches(jax.process_index() if local else None)
     every_shard = _batches(None)
@@ -62,6 +85,10 @@ if __name__ == "__main__":
     coordinator, count, index, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     initialize(ProcessGroup(coordinator, count, index), cpu_devices=8 // count)
     assert jax.device_count() == 8 and jax.local_device_count() == 8 // count
-    losses, _ = train(out)
-    (out / f"losses-{index}.json").write_text(json.dumps(losses))
+    if sys.argv[5:] == ["restore"]:
+        (out / f"restore-{index}.txt").write_text(restore(out))
+    else:
+        losses, _ = train(out)
+        (out / f"losses-{index}.json").write_text(json.dumps(losses))
+        (out / f"restore-{index}.txt").write_text(restore(out))  # every process verifies the shards it reads
     shutdown()

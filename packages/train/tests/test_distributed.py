@@ -1,11 +1,14 @@
 """Two processes x 4 CPU devices train exactly like one process with 8, save one checkpoint
-together, and that checkpoint restores into a single process."""
+together, and that checkpoint restores into the group, into a single process on 8 devices and on
+one, each verifying the shard digests every process recorded; a damaged shard (flipped bytes, a
+truncated file) is refused by both processes of a group, with the same message."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,34 +29,87 @@ def _worker_module():
     return module
 
 
-def test_two_processes_equal_one_and_share_a_checkpoint(tmp_path, child_xla_flags):
-    assert jax.device_count() == 8
-    group_dir, single_dir = tmp_path / "group", tmp_path / "single"
-    group_dir.mkdir()
+def _group(directory: Path, env: dict, *extra: str) -> list[str]:
+    """The worker as a two-process group on `directory`; each process's `restore-<id>.txt`."""
     coordinator = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "XLA_FLAGS": child_xla_flags, "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), coordinator, "2", str(i), str(group_dir)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    worker = _worker_module()
-    want_losses, want_state = worker.train(single_dir)  # the 8-device reference, while the group runs
+    procs = [subprocess.Popen([sys.executable, str(WORKER), coordinator, "2", str(i), str(directory), *extra],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     for proc in procs:
         output = proc.communicate(timeout=300)[0]
         assert proc.returncode == 0, output[-3000:]
+    return [(directory / f"restore-{i}.txt").read_text() for i in range(2)]
 
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory, child_xla_flags):
+    """The group's run and the 8-device reference (computed while the group runs)."""
+    group_dir, single_dir = tmp_path_factory.mktemp("group"), tmp_path_factory.mktemp("single")
+    env = {**os.environ, "XLA_FLAGS": child_xla_flags, "JAX_PLATFORMS": "cpu"}
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(WORKER), coordinator, "2", str(i), str(group_dir)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    worker = _worker_module()
+    want_losses, want_state = worker.train(single_dir)
+    for proc in procs:
+        output = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0, output[-3000:]
+    return group_dir, env, worker, want_losses, want_state
+
+
+def test_two_processes_equal_one_and_share_a_checkpoint(group):
+    assert jax.device_count() == 8
+    group_dir, _, worker, want_losses, want_state = group
     for index in range(2):
         got = json.loads((group_dir / f"losses-{index}.json").read_text())
         np.testing.assert_allclose(got, want_losses, rtol=1e-5)
+        assert (group_dir / f"restore-{index}.txt").read_text() == "restored"
 
     from bd_train import Checkpointer
 
+    one_device = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]) if isinstance(x, jax.Array) else x,
+                              want_state)
     with Checkpointer(group_dir / "checkpoints", create=False) as checkpoints:
         assert checkpoints.all_steps() == [worker.STEPS]
+        digests = checkpoints.read_meta()["digests"]
         restored = checkpoints.restore(want_state)
+        alone = checkpoints.restore(one_device)
+    # every shard of the fsdp-sharded embedding has its digest, written by the process that held it
+    assert len(digests["model/embedding"]) == 2
     for got, want in zip(jax.tree.leaves(restored.params), jax.tree.leaves(want_state.params)):
         assert got.sharding == want.sharding
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     for got, want in zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(want_state.opt_state)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree.leaves((alone.params, alone.opt_state)),
+                         jax.tree.leaves((restored.params, restored.opt_state))):
+        assert got.sharding.device_set == {jax.devices()[0]}
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_shard_is_refused_by_every_process_of_the_group(group, tmp_path, damage):
+    """The largest data file process 1 wrote for the model: both processes refuse the checkpoint
+    with one and the same line, whichever of them read the damaged part."""
+    group_dir, env, *_ = group
+    shutil.copytree(group_dir / "checkpoints", tmp_path / "checkpoints")
+    files = sorted((tmp_path / "checkpoints").glob("*/model/ocdbt.process_1/d/*"), key=lambda p: -p.stat().st_size)
+    assert files, "process 1 wrote no data file of its own"
+    data = bytearray(files[0].read_bytes())
+    if damage == "flip":
+        for i in (len(data) // 3, len(data) // 2, 2 * len(data) // 3):
+            data[i] ^= 0x5A
+    else:
+        del data[len(data) // 2:]
+    files[0].write_bytes(bytes(data))
+    messages = _group(tmp_path, env, "restore")
+    assert messages[0] == messages[1], messages
+    message = messages[0]
+    assert message.startswith(f"checkpoint {tmp_path / 'checkpoints'} step ") and len(message.splitlines()) == 1
+    assert "Rerun the stage that wrote it" in message
+    if "differs from what was saved" in message:
+        assert "model/" in message and "(shard " in message
+    else:
+        assert "could not be read on process " in message and "error while reading array index" in message
 
 
 def test_process_group_from_the_environment():

@@ -5,14 +5,16 @@ target before any array is read, and the error names each differing field or lea
 records a content digest (SHA-256 of dtype, shape and bytes) of each array; every restore
 recomputes them and refuses, naming the array, if the files no longer hold what was saved. A
 file that cannot be read (truncated, missing) is one `CheckpointCorrupted` message too.
-Digests cover arrays whose every shard this process holds (all of them in one process); an
-array that spans processes is not digested.
+
+Digests are per shard and computed where the shard lives (`_shard_digests`), so arrays that span
+processes are covered, and a checkpoint written by a group verifies when restored into another
+mesh or one process. In a group every refusal is agreed: a shard that one process finds damaged,
+or a file that one process cannot read, makes every process raise the same message.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.metadata
 import os
 from collections.abc import Mapping, Sequence
@@ -29,11 +31,15 @@ from bd_core import Fingerprint, FingerprintMismatch
 from bd_models import trainable, trainable_filter
 
 from ._fingerprints import as_plain_dict
+from ._shard_digests import agreed_errors, damaged_shards, save_digests
 
 if TYPE_CHECKING:
     from ._trainer import TrainState
 
 ARRAY_ITEMS = ("model", "opt_state", "rng", "counters")
+# The barrier every process passes at the end of an Orbax restore (`Checkpointer.restore`, no key
+# prefix): a process whose read failed passes it too, so that the group can agree on the failure.
+_ORBAX_RESTORE_BARRIER = "Checkpointer:restore"
 _VERSIONED = ("bd-core", "bd-data", "bd-models", "bd-train", "jax", "equinox", "optax", "orbax-checkpoint", "grain")
 
 
@@ -148,25 +154,13 @@ def _mesh_of(tree: Any) -> jax.sharding.Mesh | None:
     return None
 
 
-def _digest(x: Any) -> str | None:
-    """SHA-256 of an array's dtype, shape and bytes; None for an array that spans processes."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return None
-    value = np.ascontiguousarray(np.asarray(x))
-    h = hashlib.sha256(f"{value.dtype.str}{value.shape}".encode())
-    h.update(value.tobytes())
-    return h.hexdigest()
+def _digests(items: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+    """`{"<item>/<leaf path>": {shard region: digest}}` over the array items of a checkpoint."""
+    return save_digests(_flat_items(items))
 
 
-def _digests(items: Mapping[str, Any]) -> dict[str, str]:
-    """`{"<item>/<leaf path>": digest}` over the array items of a checkpoint."""
-    out = {}
-    for name, tree in items.items():
-        for path, leaf in _flat(tree, name).items():
-            digest = _digest(leaf)
-            if digest is not None:
-                out[path] = digest
-    return out
+def _flat_items(items: Mapping[str, Any]) -> dict[str, Any]:
+    return {path: leaf for name, tree in items.items() for path, leaf in _flat(tree, name).items()}
 
 
 def _describe(shape: Any, dtype: Any) -> str:
@@ -229,14 +223,25 @@ class Checkpointer:
         return dict(self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore()), "its metadata")["meta"])
 
     def _read(self, step: int, args: Any, what: str) -> Any:
-        """`manager.restore`, with an unreadable file turned into one message that says how to recover."""
+        """`manager.restore`, with an unreadable file turned into one message that says how to
+        recover; in a group, every process raises it when any process could not read."""
+        restored, error = None, None
         try:
-            return self._manager.restore(step, args=args)
+            restored = self._manager.restore(step, args=args)
         except Exception as err:  # noqa: BLE001  (tensorstore/orbax raise many kinds for a damaged file)
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+            first = (str(err).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
+            error = f"{type(err).__name__}: {first[:300]}"
+            if jax.process_count() > 1:  # the others wait in Orbax's barrier at the end of a restore
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices(_ORBAX_RESTORE_BARRIER)
+        errors = agreed_errors(error)
+        if errors:
+            where = "" if jax.process_count() == 1 else f" on process {min(errors)}"
             raise CheckpointCorrupted(
-                f"checkpoint {self.directory} step {step}: {what} could not be read ({type(err).__name__}: {first}); "
+                f"checkpoint {self.directory} step {step}: {what} could not be read{where} ({errors[min(errors)]}); "
                 f"its files are truncated, missing or damaged. {self._recovery(step)}") from None
+        return restored
 
     def _recovery(self, step: int) -> str:
         earlier = [s for s in self.all_steps() if s < step]
@@ -252,10 +257,11 @@ class Checkpointer:
             raise CheckpointCorrupted(f"checkpoint {self.directory} step {step} records no content digests (it was "
                                       f"written by an older bdlm), so its content cannot be verified; rerun the "
                                       "stage that wrote it")
-        # An array saved across processes has no digest: it is not verified (see the module docstring).
-        bad = sorted(path for path, digest in _digests(restored).items() if saved.get(path, digest) != digest)
-        if bad:
-            raise CheckpointCorrupted(f"checkpoint {self.directory} step {step}: the content of {', '.join(bad)} "
+        damaged = damaged_shards(_flat_items(restored), saved)
+        if damaged:
+            names = ", ".join(f"{path} (shard {key or '()'})" for path, key in damaged[:8])
+            more = f" and {len(damaged) - 8} more" if len(damaged) > 8 else ""
+            raise CheckpointCorrupted(f"checkpoint {self.directory} step {step}: the content of {names}{more} "
                                       f"differs from what was saved; the files are corrupted. {self._recovery(step)}")
 
     def fingerprints(self, step: int | None = None) -> dict[str, Fingerprint]:

@@ -1,0 +1,195 @@
+"""Content digests of checkpoint arrays, one per saved shard, computed where the shard lives.
+
+A shard is a region of a global array (its index: a slice per axis), digested as SHA-256 of its
+dtype, shape and bytes. At save, every process digests the shards whose primary copy it holds
+(`replica_id == 0`), and the digests, 32 bytes each, are gathered so that the primary process
+can record them all: the array data never leaves its host. At restore, every saved shard is
+checked by one process that holds its region whole in the restored layout (whatever the mesh:
+the same one, another, or one process); a region that no process holds whole is brought together
+by one collective the size of that shard. The processes then agree on the damaged shards, so
+every one of them refuses the checkpoint with the same message.
+
+An array that is not a sharded global array (a NumPy value, a counter on one device) is one
+shard, the whole array; in a group, process 0's copy is the one recorded and every process checks
+its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+Region = tuple[tuple[int, int], ...]  # (start, stop) per axis
+
+
+def region_key(region: Region) -> str:
+    """`"0:64,0:32"` (an empty string for a scalar): how a shard is named in the metadata."""
+    return ",".join(f"{a}:{b}" for a, b in region)
+
+
+def parse_region(key: str) -> Region:
+    return tuple((int(a), int(b)) for a, b in (part.split(":") for part in key.split(","))) if key else ()
+
+
+def _region(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _whole(shape: tuple[int, ...]) -> Region:
+    return tuple((0, n) for n in shape)
+
+
+def digest(value: np.ndarray) -> str:
+    value = np.ascontiguousarray(value)
+    h = hashlib.sha256(f"{value.dtype.str}{value.shape}".encode())
+    h.update(value.tobytes())
+    return h.hexdigest()
+
+
+def _is_global(x: Any) -> bool:
+    """A `jax.Array` whose shards are recorded one by one: any array in one process; in a group,
+    one that spans processes (a process-local copy is one shard, recorded from process 0)."""
+    return isinstance(x, jax.Array) and (jax.process_count() == 1 or not x.is_fully_addressable)
+
+
+def _size(region: Region) -> int:
+    return int(np.prod([b - a for a, b in region], dtype=np.int64))
+
+
+def _intersect(a: Region, b: Region) -> Region | None:
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+# -- save -------------------------------------------------------------------------------------------
+
+def _owned(x: Any) -> Iterator[tuple[Region, np.ndarray]]:
+    """The shards whose recorded digest this process computes, with their data."""
+    if _is_global(x):
+        for shard in x.addressable_shards:
+            if shard.replica_id == 0:
+                yield _region(shard.index, x.shape), np.asarray(shard.data)
+    elif jax.process_index() == 0:
+        yield _whole(np.shape(x)), np.asarray(x)
+
+
+def _all_regions(x: Any) -> list[Region]:
+    """Every distinct shard region of `x`, in the same order on every process."""
+    if not _is_global(x):
+        return [_whole(np.shape(x))]
+    return sorted({_region(index, x.shape) for index in x.sharding.devices_indices_map(x.shape).values()})
+
+
+def save_digests(leaves: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+    """`{path: {region key: digest}}` for every shard of every leaf, on every process."""
+    entries = [(path, region) for path, x in leaves.items() for region in _all_regions(x)]
+    position = {entry: i for i, entry in enumerate(entries)}
+    table = np.zeros((len(entries), 32), np.uint8)
+    for path, x in leaves.items():
+        for region, data in _owned(x):
+            table[position[(path, region)]] = np.frombuffer(bytes.fromhex(digest(data)), np.uint8)
+    if jax.process_count() > 1:  # each entry is filled by exactly one process
+        table = np.bitwise_or.reduce(_allgather(table), axis=0)
+    out: dict[str, dict[str, str]] = {}
+    for (path, region), row in zip(entries, table):
+        out.setdefault(path, {})[region_key(region)] = row.tobytes().hex()
+    return out
+
+
+# -- restore ----------------------------------------------------------------------------------------
+
+def _holders(x: Any, region: Region) -> list[int]:
+    """The processes whose devices hold `region` of the restored `x` whole."""
+    if not _is_global(x):
+        return [jax.process_index()]
+    by_process: dict[int, set[Region]] = {}
+    for device, index in x.sharding.devices_indices_map(x.shape).items():
+        by_process.setdefault(device.process_index, set()).add(_region(index, x.shape))
+    total = _size(region)
+    return sorted(p for p, regions in by_process.items()
+                  if sum(_size(r) for r in (_intersect(region, s) for s in regions) if r is not None) == total)
+
+
+def _assemble(x: Any, region: Region) -> np.ndarray:
+    """`region` of `x` from this process's own shards (it holds the region whole)."""
+    if not _is_global(x):
+        return np.asarray(np.asarray(x)[tuple(slice(a, b) for a, b in region)])
+    out = np.empty([b - a for a, b in region], x.dtype)
+    seen: set[Region] = set()
+    for shard in x.addressable_shards:
+        own = _region(shard.index, x.shape)
+        part = _intersect(region, own)
+        if part is None or own in seen:
+            continue
+        seen.add(own)
+        data = np.asarray(shard.data)
+        out[tuple(slice(a - r, b - r) for (a, b), (r, _) in zip(part, region))] = \
+            data[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(part, own))]
+    return out
+
+
+def _gathered(x: jax.Array, region: Region) -> np.ndarray:
+    """`region` of `x`, replicated to every process by one collective (its size, not the array's)."""
+    mesh = getattr(x.sharding, "mesh", None)
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise ValueError(f"cannot gather a region of an array sharded by {type(x.sharding).__name__}")
+    index = tuple(slice(a, b) for a, b in region)
+    out = jax.jit(lambda a: a[index], out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(x)
+    return np.asarray(out.addressable_data(0))
+
+
+def damaged_shards(leaves: Mapping[str, Any], saved: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The `(path, region key)` of every saved shard whose restored content differs from its
+    digest: the same list on every process. `saved` is the metadata's digests (a plain digest is
+    a whole-array one, as older checkpoints recorded)."""
+    entries: list[tuple[str, str, str]] = []
+    for path in leaves:
+        recorded = saved.get(path)
+        if recorded is None:
+            continue
+        if isinstance(recorded, str):
+            recorded = {region_key(_whole(np.shape(leaves[path]))): recorded}
+        entries.extend((path, key, value) for key, value in sorted(recorded.items()))
+    me = jax.process_index()
+    bad = np.zeros(len(entries), np.uint8)
+    for i, (path, key, want) in enumerate(entries):
+        x, region = leaves[path], parse_region(key)
+        holders = _holders(x, region)
+        if holders:  # the one that checks it: spread over the holders by the shard's name
+            if holders[zlib.crc32(f"{path}/{key}".encode()) % len(holders)] == me:
+                bad[i] = digest(_assemble(x, region)) != want
+        else:
+            value = _gathered(x, region)
+            bad[i] = me == 0 and digest(value) != want
+    if jax.process_count() > 1:
+        bad = np.bitwise_or.reduce(_allgather(bad), axis=0)
+    return [(path, key) for (path, key, _), flag in zip(entries, bad) if flag]
+
+
+# -- agreement ----------------------------------------------------------------------------------------
+
+_MESSAGE_BYTES = 512
+
+
+def _allgather(x: np.ndarray) -> np.ndarray:
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x))
+
+
+def agreed_errors(message: str | None) -> dict[int, str]:
+    """Every process's error message (None: no error), shared with every process: `{process: message}`."""
+    if jax.process_count() == 1:
+        return {} if message is None else {0: message}
+    buffer = np.zeros(_MESSAGE_BYTES + 1, np.uint8)
+    if message is not None:
+        raw = message.encode()[:_MESSAGE_BYTES]
+        buffer[0] = 1
+        buffer[1:1 + len(raw)] = np.frombuffer(raw, np.uint8)
+    rows = _allgather(buffer)
+    return {p: bytes(row[1:]).rstrip(b"\0").decode(errors="replace") for p, row in enumerate(rows) if row[0]}
