@@ -1,5 +1,8 @@
 """The whole stage chain (teacher and student SFT, OPD, GRPO) of the smoke preset in one process,
-for `test_sigkill.py` to kill and rerun: `python sigkill_worker.py <case dir>`. It works in
+for `test_sigkill.py` to kill and rerun: `python sigkill_worker.py <case dir>`; or as one process
+of a group, each with one CPU device and the mesh's data axis over the group, for
+`test_group_faults.py`: `python sigkill_worker.py <case dir> <coordinator> <count> <id>` (its
+files then end in `-<id>`: `done-<id>.json`, `restores-<id>.jsonl`). It works in
 `<case dir>` (checkpoints under `runs/pipeline/sigkill/checkpoints/<stage>/`) with one fixed run
 id, so a rerun continues from whatever checkpoints the killed attempt left, as the flow's `resume`
 does; a finished chain writes `<case dir>/done.json` (each stage's step and history). Every train
@@ -24,12 +27,15 @@ RUN_ID = "sigkill"
 STAGES = ("sft-teacher", "sft-student", "opd", "grpo")
 
 
-def config() -> dict:
+def config(processes: int = 1) -> dict:
     """The smoke preset, saving every 2 updates (several saves per stage: SFT 2, 4, 6; OPD 2, 3;
-    GRPO 2, 4), with a cheap evaluation (4 problems, greedy only)."""
+    GRPO 2, 4), with a cheap evaluation (4 problems, greedy only); for a group of `processes`,
+    the data axis spans them."""
     from bd_train.stages import parse_pipeline_config
 
     data = tomllib.loads(SMOKE.read_text())
+    if processes > 1:
+        data["mesh"] = {"data": processes}
     data["run"].update(output_dir="runs", checkpoint_every=2, max_to_keep=2)
     data["eval"].update(n=4, batch_size=4, samples_shown=2, samples=0, thresholds=[])
     return parse_pipeline_config(data)
@@ -58,30 +64,30 @@ def _share_compilation_cache() -> None:
     Run.enable_compilation_cache = enable_shared  # type: ignore[method-assign]
 
 
-def _note_restores(case: Path) -> None:
-    """Append `{"stage", "step"}` to `restores.jsonl` after every `Checkpointer.restore` (the
-    driver's resume; start models are read with `restore_model`, which is not noted)."""
+def _note_restores(case: Path, suffix: str = "") -> None:
+    """Append `{"stage", "step"}` to `restores<suffix>.jsonl` after every `Checkpointer.restore`
+    (the driver's resume; start models are read with `restore_model`, which is not noted)."""
     from bd_train import Checkpointer
 
     restore = Checkpointer.restore
 
     def noted(self: Checkpointer, target, **kwargs):
         state = restore(self, target, **kwargs)
-        with open(case / "restores.jsonl", "a") as out:
+        with open(case / f"restores{suffix}.jsonl", "a") as out:
             out.write(json.dumps({"stage": Path(self.directory).name, "step": int(state.step)}) + "\n")
         return state
 
     Checkpointer.restore = noted  # type: ignore[method-assign]
 
 
-def main(case: Path) -> None:
+def main(case: Path, processes: int = 1, suffix: str = "") -> None:
     from bd_train.stages import RunDir, check_distillation_pair, run_grpo, run_opd, run_sft
 
     case.mkdir(parents=True, exist_ok=True)
     os.chdir(case)
     _share_compilation_cache()
-    _note_restores(case)
-    cfg = config()
+    _note_restores(case, suffix)
+    cfg = config(processes)
     where = RunDir.create(cfg, run_id=RUN_ID)
     teacher = run_sft(cfg, where, role="teacher")
     student = run_sft(cfg, where, role="student")
@@ -90,8 +96,16 @@ def main(case: Path) -> None:
     grpo = run_grpo(cfg, where, start=opd)
     results = dict(zip(STAGES, (teacher, student, opd, grpo)))
     summary = {name: {"step": r.step, "history": r.history} for name, r in results.items()}
-    (case / "done.json").write_text(json.dumps(summary))
+    (case / f"done{suffix}.json").write_text(json.dumps(summary))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]).resolve())
+    if len(sys.argv) == 2:
+        main(Path(sys.argv[1]).resolve())
+    else:
+        from bd_train.distributed import ProcessGroup, initialize, shutdown
+
+        coordinator, count, index = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+        initialize(ProcessGroup(coordinator, count, index), cpu_devices=1)
+        main(Path(sys.argv[1]).resolve(), count, f"-{index}")
+        shutdown()

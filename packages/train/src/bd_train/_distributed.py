@@ -2,6 +2,17 @@
 coordinator named by the environment or by the orchestrator (the flow builds a `ProcessGroup`
 from Metaflow's `current.parallel`). After `initialize`, meshes span every process's devices and
 the rest of the stack runs unchanged.
+
+A group is watched: every process beats a heartbeat through the coordinator's key-value store, and
+a process that sees another stop beating for `lost_after_s` seconds (killed, out of memory, its
+host gone), or loses the coordinator, prints one message that names it and says to `resume`, and
+exits with `EXIT_LOST`. A collective that waits on the lost process cannot be interrupted any
+other way, and JAX's own end (its coordination service aborting with a C++ fatal error after
+its heartbeat timeout) says nothing of what to do; its timeouts are set longer than the watch's
+so the watch speaks first. One case is JAX's alone: when process 0, which hosts the coordination
+service, dies, the others' JAX clients abort them at once (within a second) with JAX's message
+("the JAX distributed service detected fatal errors"). Nothing half-written is ever restored:
+checkpoints are atomic.
 """
 
 from __future__ import annotations
@@ -9,12 +20,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
+import threading
+import time
 
 import jax
 
 COORDINATOR_ENV = "BDLM_COORDINATOR_ADDRESS"
 NUM_PROCESSES_ENV = "BDLM_NUM_PROCESSES"
 PROCESS_ID_ENV = "BDLM_PROCESS_ID"
+LOST_AFTER_ENV = "BDLM_LOST_AFTER_S"
+LOST_AFTER_S = 60.0
+EXIT_LOST = 75  # EX_TEMPFAIL: the run can be resumed
 
 
 class DistributedError(RuntimeError):
@@ -62,14 +79,17 @@ def free_port() -> int:
 
 
 def initialize(group: ProcessGroup | None = None, *, cpu_devices: int | None = None,
-               timeout_s: int = 300) -> ProcessGroup:
+               timeout_s: int = 300, lost_after_s: float | None = None) -> ProcessGroup:
     """Join the process group (from the environment when `group` is None) before any JAX
     computation. `cpu_devices` sets the number of local CPU devices (virtual ones for local runs);
-    CPU collectives go through gloo. A single-process group only applies `cpu_devices`."""
+    CPU collectives go through gloo. A single-process group only applies `cpu_devices`.
+    `lost_after_s` (default `BDLM_LOST_AFTER_S`, else 60): how long a silent process is waited for
+    before the others stop (see the module docstring)."""
     group = ProcessGroup.from_env() if group is None else group
     if not 0 <= group.process_id < group.num_processes:
         raise DistributedError(f"process_id {group.process_id} is outside 0..{group.num_processes - 1}; "
                                f"give each process a distinct id below num_processes")
+    lost_after = _lost_after(lost_after_s)
     try:
         if cpu_devices is not None:
             jax.config.update("jax_num_cpu_devices", cpu_devices)
@@ -79,11 +99,112 @@ def initialize(group: ProcessGroup | None = None, *, cpu_devices: int | None = N
         raise DistributedError(f"initialize must run before any JAX computation in this process ({err})") from None
     if group.num_processes > 1 and not jax.distributed.is_initialized():
         jax.distributed.initialize(group.coordinator_address, group.num_processes, group.process_id,
-                                   initialization_timeout=timeout_s)
+                                   initialization_timeout=timeout_s,
+                                   heartbeat_timeout_seconds=int(2 * lost_after) + 10,
+                                   shutdown_timeout_seconds=int(2 * lost_after) + 10)
+        _start_watch(group, lost_after)
     return group
+
+
+def _lost(group: ProcessGroup, process: int | None, why: str) -> None:
+    """Say which process is lost and how to go on, and end this one (from any thread)."""
+    who = "a process" if process is None else f"process {process}"
+    sys.stderr.write(
+        f"\nbdlm: {who} of the {group.num_processes}-process group is lost ({why}); process {group.process_id} "
+        f"stops too, since the group cannot go on without it. What was saved is complete (checkpoints are "
+        f"atomic): restart the group with `resume` (the flow's `resume`, or the same stages again) to continue "
+        f"from the last checkpoint.\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(EXIT_LOST)
+
+
+def _lost_after(value: float | None) -> float:
+    if value is None:
+        raw = os.environ.get(LOST_AFTER_ENV)
+        try:
+            value = LOST_AFTER_S if raw is None else float(raw)
+        except ValueError:
+            raise DistributedError(f"{LOST_AFTER_ENV}: expected seconds, got {raw!r}") from None
+    if not value >= 2:
+        raise DistributedError(f"lost_after_s = {value}: a process must be allowed at least 2 s of silence")
+    return float(value)
+
+
+class _Watch(threading.Thread):
+    """The heartbeat and the watch of one process of a group (a daemon thread)."""
+
+    def __init__(self, group: ProcessGroup, lost_after: float):
+        super().__init__(name="bdlm-group-watch", daemon=True)
+        from jax._src import distributed  # the coordinator's client: its key-value store has no public handle
+
+        self.client = distributed.global_state.client
+        self.group, self.lost_after = group, lost_after
+        self.interval = min(1.0, lost_after / 10)
+        self.finished = threading.Event()
+
+    def run(self) -> None:
+        me, n = self.group.process_id, self.group.num_processes
+        last: dict[int, tuple[str | None, float]] = {p: (None, time.monotonic()) for p in range(n) if p != me}
+        unreachable_since: float | None = None
+        beat = 0
+        while not self.finished.wait(self.interval):
+            now = time.monotonic()
+            try:
+                beat += 1
+                self.client.key_value_set(f"bdlm/alive/{me}", str(beat), allow_overwrite=True)
+                for p, (seen, since) in list(last.items()):
+                    if _try_get(self.client, f"bdlm/done/{p}") is not None:
+                        del last[p]  # it left the group normally
+                        continue
+                    value = _try_get(self.client, f"bdlm/alive/{p}")
+                    if value != seen:
+                        last[p] = (value, now)
+                    elif now - since > self.lost_after:
+                        self._lost(p, f"sent no heartbeat for {now - since:.0f} s")
+                unreachable_since = None
+            except Exception as err:  # noqa: BLE001  (the coordinator's service is gone)
+                if self.finished.is_set():
+                    return
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since > min(self.lost_after, 5.0):
+                    self._lost(0, f"the coordinator no longer answers ({type(err).__name__})")
+
+    def _lost(self, process: int, why: str) -> None:
+        _lost(self.group, process, why)
+
+    def leave(self) -> None:
+        """Say this process leaves normally (the others stop watching it), then stop."""
+        try:
+            self.client.key_value_set(f"bdlm/done/{self.group.process_id}", "1", allow_overwrite=True)
+        except Exception:  # noqa: BLE001,S110  (a coordinator already gone: nothing to tell)
+            pass
+        self.finished.set()
+
+
+def _try_get(client, key: str) -> str | None:
+    try:
+        return client.key_value_try_get(key)
+    except Exception as err:  # noqa: BLE001  (NOT_FOUND is an exception here)
+        if "NOT_FOUND" in str(err) or "not found" in str(err).lower():
+            return None
+        raise
+
+
+_WATCH: _Watch | None = None
+
+
+def _start_watch(group: ProcessGroup, lost_after: float) -> None:
+    global _WATCH
+    _WATCH = _Watch(group, lost_after)
+    _WATCH.start()
 
 
 def shutdown() -> None:
     """Leave the process group (a no-op for a single process)."""
+    global _WATCH
+    if _WATCH is not None:
+        _WATCH.leave()
+        _WATCH = None
     if jax.distributed.is_initialized():
         jax.distributed.shutdown()

@@ -2,7 +2,7 @@
 
 A shard is a region of a global array (its index: a slice per axis), digested as SHA-256 of its
 dtype, shape and bytes. At save, every process digests the shards whose primary copy it holds
-(`replica_id == 0`), and the digests, 32 bytes each, are gathered so that the primary process
+(`replica_id == 0`, on a thread per core), and the digests, 32 bytes each, are gathered so that the primary process
 can record them all: the array data never leaves its host. At restore, every saved shard is
 checked by one process that holds its region whole in the restored layout (whatever the mesh:
 the same one, another, or one process); a region that no process holds whole is brought together
@@ -17,8 +17,10 @@ its own.
 from __future__ import annotations
 
 import hashlib
+import os
 import zlib
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -90,9 +92,10 @@ def save_digests(leaves: Mapping[str, Any]) -> dict[str, dict[str, str]]:
     entries = [(path, region) for path, x in leaves.items() for region in _all_regions(x)]
     position = {entry: i for i, entry in enumerate(entries)}
     table = np.zeros((len(entries), 32), np.uint8)
-    for path, x in leaves.items():
-        for region, data in _owned(x):
-            table[position[(path, region)]] = np.frombuffer(bytes.fromhex(digest(data)), np.uint8)
+    owned = [((path, region), data) for path, x in leaves.items() for region, data in _owned(x)]
+    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:  # hashlib releases the GIL
+        for (entry, _), value in zip(owned, pool.map(lambda item: digest(item[1]), owned)):
+            table[position[entry]] = np.frombuffer(bytes.fromhex(value), np.uint8)
     if jax.process_count() > 1:  # each entry is filled by exactly one process
         table = np.bitwise_or.reduce(_allgather(table), axis=0)
     out: dict[str, dict[str, str]] = {}

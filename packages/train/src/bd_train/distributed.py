@@ -1,8 +1,11 @@
 """Multi-process training: join a JAX process group (from the environment, or a `ProcessGroup`
-an orchestrator builds) before any computation; meshes then span every process's devices.
+an orchestrator builds) before any computation; meshes then span every process's devices. A
+process that sees another stop (killed, out of memory) exits with `EXIT_LOST` and says to resume.
 """
 
 from ._distributed import COORDINATOR_ENV as COORDINATOR_ENV
+from ._distributed import EXIT_LOST as EXIT_LOST
+from ._distributed import LOST_AFTER_ENV as LOST_AFTER_ENV
 from ._distributed import NUM_PROCESSES_ENV as NUM_PROCESSES_ENV
 from ._distributed import PROCESS_ID_ENV as PROCESS_ID_ENV
 from ._distributed import DistributedError as DistributedError

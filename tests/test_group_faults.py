@@ -1,0 +1,226 @@
+"""A two-process group running the stage chain (`sigkill_worker.py`, the mesh's data axis over the
+group) meets what a cluster does to one of its processes, and resumes:
+
+- SIGTERM to one process only (a preempted VM) inside the student's SFT: the whole group saves the
+  same step and stops;
+- SIGKILL of process 1 while OPD writes a checkpoint, and again inside a GRPO update: process 0
+  stops within the group's `BDLM_LOST_AFTER_S` (plus a margin) with a message that names process
+  1 and says to `resume`; the rerun continues from the latest complete checkpoint (a half-written
+  one is never restored).
+
+After each, the group is started again, as the flow's `resume` does; the chain must end with every
+checkpoint's arrays, both processes' data-iterator positions and metric histories bit-identical to
+an uninterrupted group's run. The kills are timed by polling the checkpoint folders, as in
+`test_sigkill.py`, whose helpers this reuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from bd_train import Checkpointer
+from bd_train.distributed import EXIT_LOST, free_port
+
+
+def _helpers():
+    """`test_sigkill.py`'s kill points, worker and restore targets (the suite imports test files by
+    path, so it is loaded the same way)."""
+    spec = importlib.util.spec_from_file_location("sigkill_helpers", Path(__file__).with_name("test_sigkill.py"))
+    assert spec is not None and spec.loader is not None
+    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    return module
+
+
+_h = _helpers()
+ATTEMPT_TIMEOUT, STAGES, WORKER, Kill, worker = _h.ATTEMPT_TIMEOUT, _h.STAGES, _h.WORKER, _h.Kill, _h.worker
+_env, _inside_grpo, _inside_sft, _opd_saving = _h._env, _h._inside_grpo, _h._inside_sft, _h._opd_saving
+_last_step, _listing, _target = _h._last_step, _h._listing, _h._target
+
+PROCESSES = 2
+LOST_AFTER = 8  # seconds of silence before the group gives a process up (default 60)
+MARGIN = 30  # from the kill to the survivor's exit, beyond LOST_AFTER: a loaded 2-core host
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    kill: Kill
+    signal: signal.Signals
+
+
+FAULTS = (
+    Fault(Kill("sigterm-to-one-inside-sft", _inside_sft), signal.SIGTERM),
+    Fault(Kill("sigkill-one-during-opd-save", _opd_saving), signal.SIGKILL),
+    Fault(Kill("sigkill-one-inside-grpo", _inside_grpo), signal.SIGKILL),
+)
+
+
+@dataclasses.dataclass
+class Attempt:
+    fault: str | None
+    returncodes: list[int]
+    survivor_seconds: float | None  # from the fault to process 0's exit
+    restored: list[dict[str, int]]  # per process: the step each stage continued from
+    logs: list[str]
+    after_fault: dict[str, list[str]] | None = None
+
+
+def _log(case: Path, index: int) -> Path:
+    return case.parent / f"{case.name}-{index}.log"
+
+
+def _attempt(case: Path, env: dict[str, str], fault: Fault | None = None) -> Attempt:
+    """The group on `case`; with `fault`, its signal to process 1 once `fault.kill.when(case)`
+    holds, then both processes are waited for (process 0 on its own)."""
+    case.mkdir(parents=True, exist_ok=True)
+    seen = [len(p.read_text().splitlines()) if p.exists() else 0
+            for p in (case / f"restores-{i}.jsonl" for i in range(PROCESSES))]
+    offsets = [_log(case, i).stat().st_size if _log(case, i).exists() else 0 for i in range(PROCESSES)]
+    coordinator = f"127.0.0.1:{free_port()}"
+    begun = time.monotonic()
+    logs = [open(_log(case, i), "a") for i in range(PROCESSES)]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(case), coordinator, str(PROCESSES), str(i)], env=env,
+                              stdout=logs[i], stderr=subprocess.STDOUT, start_new_session=True)
+             for i in range(PROCESSES)]
+    faulted = survivor = None
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if now - begun > ATTEMPT_TIMEOUT:
+                pytest.fail(f"{case}: an attempt (fault: {fault and fault.kill.name}) ran over {ATTEMPT_TIMEOUT} s")
+            if fault is not None and faulted is None and procs[1].poll() is None and fault.kill.when(case):
+                procs[1].send_signal(fault.signal)
+                faulted = now
+            if faulted is not None and survivor is None and procs[0].poll() is not None:
+                survivor = now - faulted
+            time.sleep(0.005)
+        if faulted is not None and survivor is None:
+            survivor = time.monotonic() - faulted
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for log in logs:
+            log.close()
+    restored = []
+    for i in range(PROCESSES):
+        noted = case / f"restores-{i}.jsonl"
+        lines = noted.read_text().splitlines()[seen[i]:] if noted.exists() else []
+        restored.append({row["stage"]: row["step"] for row in map(json.loads, lines)})
+    texts = [_log(case, i).read_text()[offsets[i]:] for i in range(PROCESSES)]
+    return Attempt(fault and fault.kill.name, [p.returncode for p in procs], survivor, restored, texts,
+                   _listing(case) if faulted is not None else None)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("jax_cache_group")
+
+
+@pytest.fixture(scope="module")
+def group_env(cache, child_xla_flags) -> dict[str, str]:
+    return {**_env(cache, child_xla_flags), "BDLM_LOST_AFTER_S": str(LOST_AFTER)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, group_env) -> Path:
+    """The group's chain without a fault (it also fills the compilation cache)."""
+    case = tmp_path_factory.mktemp("group") / "reference"
+    attempt = _attempt(case, group_env)
+    assert attempt.returncodes == [0] * PROCESSES, attempt.logs[0][-3000:] + attempt.logs[1][-3000:]
+    return case
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory, reference, group_env) -> tuple[Path, list[Attempt]]:
+    """The chain with every fault in turn, each followed by the next attempt, and a last one."""
+    case = tmp_path_factory.mktemp("group") / "faulted"
+    attempts = [_attempt(case, group_env, fault) for fault in FAULTS]
+    attempts.append(_attempt(case, group_env))
+    for a in attempts:
+        print(f"{a.fault or 'to the end'}: returncodes {a.returncodes}, survivor {a.survivor_seconds}, "
+              f"restored {a.restored}, after the fault {a.after_fault}")
+    return case, attempts
+
+
+def test_sigterm_to_one_process_stops_the_whole_group_at_one_saved_step(faulted):
+    case, attempts = faulted
+    attempt = attempts[0]
+    assert attempt.after_fault is not None, "the SIGTERM was never sent"
+    stopped = [[line for line in log.splitlines() if line.startswith("bd_train.stages._run.StageError: sft-student: "
+                                                                      "stopped by SIGTERM at step ")]
+               for log in attempt.logs]
+    assert all(stopped), f"a process did not stop on the SIGTERM: {attempt.returncodes}\n{attempt.logs[0][-3000:]}"
+    steps = {line.split("stopped by SIGTERM at step ")[1].split(";")[0] for lines in stopped for line in lines}
+    assert len(steps) == 1, f"the processes stopped at different steps: {steps}"
+    assert attempt.returncodes == [1, 1]
+    assert attempts[1].restored[0]["sft-student"] == attempts[1].restored[1]["sft-student"] == int(steps.pop())
+
+
+@pytest.mark.parametrize("index", [1, 2], ids=[f.kill.name for f in FAULTS[1:]])
+def test_a_killed_process_ends_the_group_soon_with_what_to_do(faulted, index):
+    case, attempts = faulted
+    attempt, rerun = attempts[index], attempts[index + 1]
+    assert attempt.after_fault is not None, f"{attempt.fault}: the kill point was never seen"
+    assert attempt.returncodes[1] == -signal.SIGKILL, f"{attempt.fault}: process 1 ended before the kill landed"
+    assert attempt.returncodes[0] == EXIT_LOST, attempt.logs[0][-3000:]
+    assert attempt.survivor_seconds is not None and attempt.survivor_seconds <= LOST_AFTER + MARGIN
+    message = [line for line in attempt.logs[0].splitlines() if line.startswith("bdlm: process 1 ")]
+    assert len(message) == 1 and "is lost" in message[0] and "`resume`" in message[0], attempt.logs[0][-2000:]
+    # the rerun continues every stage from the latest complete step the kill left
+    left = {stage: max(int(n) for n in names if n.isdigit()) for stage, names in attempt.after_fault.items()
+            if any(n.isdigit() for n in names)}
+    assert rerun.restored == [left, left], f"{attempt.fault}: the rerun restored {rerun.restored}, the kill left {left}"
+
+
+def _saved(case: Path, stage: str) -> dict:
+    """Every kept step of a stage, restored into one process (checking the digests both
+    processes recorded): metadata, both processes' data-iterator states and every array."""
+    folder = worker.checkpoint_dir(case, stage)
+    out = {}
+    with Checkpointer(folder, create=False) as checkpoints:
+        for step in checkpoints.all_steps():
+            state = checkpoints.restore(_target(stage), step=step)
+            arrays = {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in
+                      jax.tree_util.tree_leaves_with_path((state.step, state.model, state.opt_state,
+                                                           jax.random.key_data(state.key), state.nonfinite_total,
+                                                           state.nonfinite_streak)) if hasattr(leaf, "dtype")}
+            data = [json.loads((folder / str(step) / "data" / f"process_{i}-of-{PROCESSES}.json").read_text())
+                    for i in range(PROCESSES)]
+            out[step] = {"meta": checkpoints.read_meta(step), "arrays": arrays, "data": data}
+    return out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_resumed_group_ends_bit_identical_to_the_uninterrupted_one(reference, faulted, stage):
+    case, attempts = faulted
+    assert attempts[-1].returncodes == [0] * PROCESSES, attempts[-1].logs[0][-3000:]
+    want, got = _saved(reference, stage), _saved(case, stage)
+    assert list(got) == list(want) and max(got) == _last_step(stage), f"{stage}: kept steps {list(got)} vs {list(want)}"
+    for step in want:
+        assert got[step]["meta"] == want[step]["meta"], f"{stage} step {step}: metadata differs"
+        assert got[step]["data"] == want[step]["data"], f"{stage} step {step}: a data-iterator state differs"
+        assert got[step]["arrays"].keys() == want[step]["arrays"].keys()
+        for path, array in want[step]["arrays"].items():
+            assert got[step]["arrays"][path].tobytes() == array.tobytes(), f"{stage} step {step}: {path} differs"
+
+
+def test_the_resumed_group_reports_the_uninterrupted_histories(reference, faulted):
+    case, attempts = faulted
+    assert attempts[-1].returncodes == [0] * PROCESSES
+    for i in range(PROCESSES):
+        want, got = (json.loads((c / f"done-{i}.json").read_text()) for c in (reference, case))
+        assert got == want
