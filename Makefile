@@ -85,7 +85,7 @@ interop:
 # Benchmarks print ratios measured in one process and refresh their section of BENCHMARKS.md.
 bench: sync
 	@for f in bench/train_step.py bench/sampling.py bench/sft_weighting.py bench/remat.py bench/import_memory.py bench/lora.py \
-	  bench/profile_step.py bench/sampler_batch.py bench/noisy_views.py bench/host_memory.py; do \
+	  bench/profile_step.py bench/sampler_batch.py bench/noisy_views.py bench/host_memory.py bench/checkpoint_digest.py; do \
 	  if [ -f $$f ]; then echo "== $$f"; $(RUN) python $$f || exit 1; fi; done
 
 # On a machine with an NVIDIA GPU: JAX's CUDA 12 plugin at the pinned jax version goes into .venv
