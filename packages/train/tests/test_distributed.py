@@ -120,3 +120,15 @@ def test_process_group_from_the_environment():
         ProcessGroup.from_env({"BDLM_NUM_PROCESSES": "2"})
     with pytest.raises(DistributedError, match="BDLM_PROCESS_ID: expected an integer, got 'one'"):
         ProcessGroup.from_env({**env, "BDLM_PROCESS_ID": "one"})
+
+
+def test_a_bad_lost_after_is_named(monkeypatch):
+    from bd_train.distributed import initialize
+
+    monkeypatch.setenv("BDLM_LOST_AFTER_S", "soon")
+    with pytest.raises(DistributedError, match="BDLM_LOST_AFTER_S: expected seconds, got 'soon'"):
+        initialize(ProcessGroup.single())
+    monkeypatch.delenv("BDLM_LOST_AFTER_S")
+    with pytest.raises(DistributedError, match=r"lost_after_s = 0.5: a process must be allowed at least 2 s"):
+        initialize(ProcessGroup.single(), lost_after_s=0.5)
+    assert initialize(ProcessGroup.single()) == ProcessGroup.single()
