@@ -193,7 +193,8 @@ def test_content_that_differs_from_its_digest_is_named(tmp_path):
     meta["digests"]["model/embedding"] = "0" * 64  # as if the embedding's bytes had changed since the save
     meta_file.write_text(json.dumps(meta))
     with Checkpointer(tmp_path, create=False) as checkpoints:
-        with pytest.raises(CheckpointCorrupted, match=r"the content of model/embedding \(shard 0:16,0:16\) differs from what was saved"):
+        with pytest.raises(CheckpointCorrupted,
+                           match=r"the content of model/embedding \(shard 0:16,0:16\) differs from what was saved"):
             checkpoints.restore(state)
         with pytest.raises(CheckpointCorrupted, match=r"model/embedding"):
             checkpoints.restore_model(state.model)

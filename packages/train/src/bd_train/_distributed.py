@@ -138,7 +138,11 @@ class _Watch(threading.Thread):
         super().__init__(name="bdlm-group-watch", daemon=True)
         from jax._src import distributed  # the coordinator's client: its key-value store has no public handle
 
-        self.client = distributed.global_state.client
+        client = distributed.global_state.client
+        if client is None:
+            raise DistributedError("the group watch needs JAX's distributed client; call jax.distributed.initialize "
+                                   "first")
+        self.client = client
         self.group, self.lost_after = group, lost_after
         self.interval = min(1.0, lost_after / 10)
         self.finished = threading.Event()

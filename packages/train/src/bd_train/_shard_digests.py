@@ -49,7 +49,7 @@ def _whole(shape: tuple[int, ...]) -> Region:
 def digest(value: np.ndarray) -> str:
     value = np.ascontiguousarray(value)
     h = hashlib.sha256(f"{value.dtype.str}{value.shape}".encode())
-    h.update(value.reshape(-1).view(np.uint8))  # the bytes without a copy (`tobytes` would make one)
+    h.update(value.reshape(-1).view(np.uint8).data)  # the bytes in place (`tobytes` would copy them)
     return h.hexdigest()
 
 
