@@ -20,17 +20,28 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 from _report import write_results, write_section  # noqa: E402
 
 from bd_models import BlockDiffusionLM, ModelConfig, init_sharded, make_mesh  # noqa: E402
-from bd_train import Checkpointer, OptimizerConfig, Trainer, make_optimizer, sft_objective  # noqa: E402
-from bd_train._checkpoint import _arrays_of, _digests, _flat_items  # noqa: E402
-from bd_train._shard_digests import damaged_shards, digest  # noqa: E402
+from bd_train import (  # noqa: E402
+    Checkpointer,
+    OptimizerConfig,
+    Trainer,
+    damaged_shards,
+    make_optimizer,
+    sft_objective,
+    shard_digests,
+)
 
 CONFIG = ModelConfig(vocab_size=32768, d_model=2048, n_layers=5, n_heads=16, n_kv_heads=8, d_ff=5632, block_size=4,
                      attention="dense")
 ROUNDS = 3
+
+
+def _leaves(state) -> dict:
+    """The arrays a checkpoint of `state` holds (model and optimizer state), by path."""
+    return {jax.tree_util.keystr(path): leaf for path, leaf in
+            jax.tree_util.tree_leaves_with_path((state.model, state.opt_state)) if isinstance(leaf, jax.Array)}
 
 
 def _bytes(tree) -> int:
@@ -47,29 +58,28 @@ def main() -> None:
         folder = Path(tempfile.mkdtemp(prefix="digest-bench-"))
         try:
             t = time.perf_counter()
-            _digests(_arrays_of(state))
+            saved = shard_digests(_leaves(state))
             times["digest"].append(time.perf_counter() - t)
             with Checkpointer(folder) as checkpoints:
                 t = time.perf_counter()
                 checkpoints.save(state)
                 checkpoints.wait()
                 times["save"].append(time.perf_counter() - t)
-                saved = checkpoints.read_meta()["digests"]
                 t = time.perf_counter()
                 restored = checkpoints.restore(state)
                 jax.block_until_ready(restored.model)
                 times["restore"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            assert damaged_shards(_flat_items(_arrays_of(restored)), saved) == []
+            assert damaged_shards(_leaves(restored), saved) == []
             times["verify"].append(time.perf_counter() - t)
             del restored
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     median = {k: statistics.median(v) for k, v in times.items()}
-    probe = np.zeros(256 * 2**20, np.uint8)
+    probe = {"probe": jax.numpy.zeros(256 * 2**20, jax.numpy.uint8)}
     t = time.perf_counter()
-    digest(probe)
-    sha256_gb_per_s = probe.nbytes / 1e9 / (time.perf_counter() - t)
+    shard_digests(probe)
+    sha256_gb_per_s = probe["probe"].nbytes / 1e9 / (time.perf_counter() - t)
     results = {"model_gb": model_gb, "state_gb": state_gb, **{f"{k}_s": v for k, v in median.items()},
                "digest_fraction_of_save": median["digest"] / median["save"],
                "verify_fraction_of_restore": median["verify"] / median["restore"], "sha256_gb_per_s": sha256_gb_per_s}

@@ -43,6 +43,8 @@ from ._replay import replay_views as replay_views
 from ._sft import sft_loss as sft_loss
 from ._sft import sft_objective as sft_objective
 from ._sft import token_cross_entropy as token_cross_entropy
+from ._shard_digests import damaged_shards as damaged_shards
+from ._shard_digests import shard_digests as shard_digests
 from ._trainer import NonFiniteError as NonFiniteError
 from ._trainer import Trainer as Trainer
 from ._trainer import TrainerConfig as TrainerConfig

@@ -31,7 +31,7 @@ from bd_core import Fingerprint, FingerprintMismatch
 from bd_models import trainable, trainable_filter
 
 from ._fingerprints import as_plain_dict
-from ._shard_digests import agreed_errors, damaged_shards, save_digests
+from ._shard_digests import agreed_errors, damaged_shards, shard_digests
 
 if TYPE_CHECKING:
     from ._trainer import TrainState
@@ -156,7 +156,7 @@ def _mesh_of(tree: Any) -> jax.sharding.Mesh | None:
 
 def _digests(items: Mapping[str, Any]) -> dict[str, dict[str, str]]:
     """`{"<item>/<leaf path>": {shard region: digest}}` over the array items of a checkpoint."""
-    return save_digests(_flat_items(items))
+    return shard_digests(_flat_items(items))
 
 
 def _flat_items(items: Mapping[str, Any]) -> dict[str, Any]:

@@ -92,8 +92,10 @@ def _all_regions(x: Any) -> list[Region]:
     return sorted({_region(index, x.shape) for index in x.sharding.devices_indices_map(x.shape).values()})
 
 
-def save_digests(leaves: Mapping[str, Any]) -> dict[str, dict[str, str]]:
-    """`{path: {region key: digest}}` for every shard of every leaf, on every process."""
+def shard_digests(leaves: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+    """`{path: {region key: digest}}` for every shard of every leaf of `leaves` (`{path: array}`),
+    on every process: what a checkpoint records. In a group
+    every process must call it, with the same paths."""
     entries = [(path, region) for path, x in leaves.items() for region in _all_regions(x)]
     position = {entry: i for i, entry in enumerate(entries)}
     table = np.zeros((len(entries), 32), np.uint8)
