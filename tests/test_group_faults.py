@@ -26,11 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-import jax
-import numpy as np
 import pytest
 
-from bd_train import Checkpointer
 from bd_train.distributed import EXIT_LOST, free_port
 
 
@@ -47,7 +44,7 @@ def _helpers():
 _h = _helpers()
 ATTEMPT_TIMEOUT, STAGES, WORKER, Kill, worker = _h.ATTEMPT_TIMEOUT, _h.STAGES, _h.WORKER, _h.Kill, _h.worker
 _env, _inside_grpo, _inside_sft, _opd_saving = _h._env, _h._inside_grpo, _h._inside_sft, _h._opd_saving
-_last_step, _listing, _target = _h._last_step, _h._listing, _h._target
+_last_step, _listing, _saved = _h._last_step, _h._listing, _h._saved
 
 PROCESSES = 2
 LOST_AFTER = 5  # seconds of silence before the group gives a process up (default 60)
@@ -186,29 +183,11 @@ def test_a_killed_process_ends_the_group_soon_with_what_to_do(faulted, index):
     assert rerun.restored == [left, left], f"{attempt.fault}: the rerun restored {rerun.restored}, the kill left {left}"
 
 
-def _saved(case: Path, stage: str) -> dict:
-    """Every kept step of a stage, restored into one process (checking the digests both
-    processes recorded): metadata, both processes' data-iterator states and every array."""
-    folder = worker.checkpoint_dir(case, stage)
-    out = {}
-    with Checkpointer(folder, create=False) as checkpoints:
-        for step in checkpoints.all_steps():
-            state = checkpoints.restore(_target(stage), step=step)
-            arrays = {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in
-                      jax.tree_util.tree_leaves_with_path((state.step, state.model, state.opt_state,
-                                                           jax.random.key_data(state.key), state.nonfinite_total,
-                                                           state.nonfinite_streak)) if hasattr(leaf, "dtype")}
-            data = [json.loads((folder / str(step) / "data" / f"process_{i}-of-{PROCESSES}.json").read_text())
-                    for i in range(PROCESSES)]
-            out[step] = {"meta": checkpoints.read_meta(step), "arrays": arrays, "data": data}
-    return out
-
-
 @pytest.mark.parametrize("stage", STAGES)
 def test_the_resumed_group_ends_bit_identical_to_the_uninterrupted_one(reference, faulted, stage):
     case, attempts = faulted
     assert attempts[-1].returncodes == [0] * PROCESSES, attempts[-1].logs[0][-3000:]
-    want, got = _saved(reference, stage), _saved(case, stage)
+    want, got = _saved(reference, stage, PROCESSES), _saved(case, stage, PROCESSES)
     # both keep the last step; the SIGTERM's own save (at whatever step it landed) may be kept too
     assert max(got) == max(want) == _last_step(stage), f"{stage}: kept steps {list(got)} vs {list(want)}"
     for step in sorted(set(want) & set(got)):

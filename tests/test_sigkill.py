@@ -224,9 +224,10 @@ def _target(stage: str):
     return run.fresh_state(run.model_config(role), optimizer, key=jax.random.key(0))
 
 
-def _saved(case: Path, stage: str) -> dict:
-    """Every kept step of a stage: its metadata, its data-iterator state and every array (restored,
-    and so checked against the digests recorded at save)."""
+def _saved(case: Path, stage: str, processes: int = 1) -> dict:
+    """Every kept step of a stage: its metadata, the data-iterator state of each of the
+    `processes` that wrote it and every array (restored into this one process, and so checked
+    against the digests recorded at save)."""
     folder = worker.checkpoint_dir(case, stage)
     out = {}
     with Checkpointer(folder, create=False) as checkpoints:
@@ -237,7 +238,8 @@ def _saved(case: Path, stage: str) -> dict:
                                                            jax.random.key_data(state.key), state.nonfinite_total,
                                                            state.nonfinite_streak)) if hasattr(leaf, "dtype")}
             out[step] = {"meta": checkpoints.read_meta(step), "arrays": arrays,
-                         "data": json.loads((folder / str(step) / "data" / "process_0-of-1.json").read_text())}
+                         "data": [json.loads((folder / str(step) / "data" / f"process_{i}-of-{processes}.json")
+                                             .read_text()) for i in range(processes)]}
     return out
 
 
