@@ -12,7 +12,7 @@ import pytest
 
 from bd_models import BlockDiffusionLM, ModelConfig, make_mesh, shard_model
 from bd_train import CheckpointCorrupted, Checkpointer, OptimizerConfig, Trainer, make_optimizer, sft_objective
-from bd_train._shard_digests import _gathered, _holders, digest, parse_region, region_key
+from bd_train._shard_digests import _gathered, _holders, _regions_by_process, digest, parse_region, region_key
 
 CONFIG = ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, block_size=4,
                      attention="dense")
@@ -89,4 +89,4 @@ def test_a_region_no_single_process_holds_is_gathered_at_its_own_size():
                        jax.sharding.NamedSharding(make_mesh(1, 4, 2), jax.sharding.PartitionSpec("fsdp", "model")))
     region = ((2, 6), (0, 8))
     np.testing.assert_array_equal(_gathered(x, region), np.arange(64.0).reshape(8, 8)[2:6])
-    assert _holders(x, region) == [0]
+    assert _holders(_regions_by_process(x), region) == [0]

@@ -165,17 +165,14 @@ class _Watch(threading.Thread):
                     if value != seen:
                         last[p] = (value, now)
                     elif now - since > self.lost_after:
-                        self._lost(p, f"sent no heartbeat for {now - since:.0f} s")
+                        _lost(self.group, p, f"sent no heartbeat for {now - since:.0f} s")
                 unreachable_since = None
             except Exception as err:  # noqa: BLE001  (the coordinator's service is gone)
                 if self.finished.is_set():
                     return
                 unreachable_since = unreachable_since or now
                 if now - unreachable_since > min(self.lost_after, 5.0):
-                    self._lost(0, f"the coordinator no longer answers ({type(err).__name__})")
-
-    def _lost(self, process: int, why: str) -> None:
-        _lost(self.group, process, why)
+                    _lost(self.group, 0, f"the coordinator no longer answers ({type(err).__name__})")
 
     def leave(self) -> None:
         """Say this process leaves normally (the others stop watching it), then stop."""

@@ -113,13 +113,18 @@ def shard_digests(leaves: Mapping[str, Any]) -> dict[str, dict[str, str]]:
 
 # -- restore ----------------------------------------------------------------------------------------
 
-def _holders(x: Any, region: Region) -> list[int]:
-    """The processes whose devices hold `region` of the restored `x` whole."""
+def _regions_by_process(x: Any) -> dict[int, set[Region]]:
+    """The shard regions of the restored `x` each process's devices hold."""
     if not _is_global(x):
-        return [jax.process_index()]
-    by_process: dict[int, set[Region]] = {}
+        return {jax.process_index(): {_whole(np.shape(x))}}
+    out: dict[int, set[Region]] = {}
     for device, index in x.sharding.devices_indices_map(x.shape).items():
-        by_process.setdefault(device.process_index, set()).add(_region(index, x.shape))
+        out.setdefault(device.process_index, set()).add(_region(index, x.shape))
+    return out
+
+
+def _holders(by_process: Mapping[int, set[Region]], region: Region) -> list[int]:
+    """The processes whose shards (`_regions_by_process`) hold `region` whole."""
     total = _size(region)
     return sorted(p for p, regions in by_process.items()
                   if sum(_size(r) for r in (_intersect(region, s) for s in regions) if r is not None) == total)
@@ -168,9 +173,10 @@ def damaged_shards(leaves: Mapping[str, Any], saved: Mapping[str, Any]) -> list[
     me = jax.process_index()
     bad = np.zeros(len(entries), np.uint8)
     mine: list[tuple[int, Any, Region, str]] = []
+    layouts = {path: _regions_by_process(leaves[path]) for path in {path for path, _, _ in entries}}
     for i, (path, key, want) in enumerate(entries):
         x, region = leaves[path], parse_region(key)
-        holders = _holders(x, region)
+        holders = _holders(layouts[path], region)
         if holders:  # the one that checks it: spread over the holders by the shard's name
             if holders[zlib.crc32(f"{path}/{key}".encode()) % len(holders)] == me:
                 mine.append((i, x, region, want))
