@@ -1,5 +1,6 @@
-"""Attention under the block-diffusion mask: `dense` (reference), `blocked`, `shard_map`, and
-`pallas` (`_pallas_attention.py`: `blocked` as Pallas kernels); and `cached_attention`, dense
+"""Attention under the block-diffusion mask: `dense` (reference), `blocked`, `shard_map`,
+`pallas` (`_pallas_attention.py`: `blocked` as Pallas kernels for GPU) and `splash`
+(`_splash_attention.py`: TPU's splash kernels with the rule as a per-row mask); and `cached_attention`, dense
 attention of a decoding chunk over a KV cache and itself.
 
 `blocked` is an online-softmax (flash) kernel with a custom VJP: per query tile it loops only over
@@ -210,18 +211,24 @@ def sharded_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_me
     """`blocked_attention` under `jax.shard_map` on the mesh set with `jax.set_mesh`: batch over
     (`data`, `fsdp`), kv heads over `model`. Without a mesh it is `blocked_attention`."""
     kernel = functools.partial(blocked_attention, q_tile=q_tile, k_tile=k_tile)
+    return on_mesh(kernel, "shard_map", q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta)
+
+
+def on_mesh(kernel, name: str, q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta: TokenMeta) -> Array:
+    """`kernel(q, k, v, q_meta, k_meta)` per shard under `jax.shard_map` on the mesh set with
+    `jax.set_mesh` (batch over `data` x `fsdp`, kv heads over `model`); without a mesh, once."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return kernel(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta)
     missing = {*BATCH_AXES, MODEL_AXIS} - set(mesh.axis_names)
     if missing:
-        raise ValueError(f"attention='shard_map' needs mesh axes {BATCH_AXES + (MODEL_AXIS,)}; the mesh lacks "
+        raise ValueError(f"attention={name!r} needs mesh axes {BATCH_AXES + (MODEL_AXIS,)}; the mesh lacks "
                          f"{sorted(missing)}. Build it with bd_models.make_mesh")
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     batch, kv_heads = q_BxKxGxTxE.shape[0], k_BxKxSxE.shape[1]
     if batch % n_batch or kv_heads % mesh.shape[MODEL_AXIS]:
         raise ValueError(
-            f"attention='shard_map': batch {batch} must divide by data*fsdp={n_batch} and n_kv_heads {kv_heads} "
+            f"attention={name!r}: batch {batch} must divide by data*fsdp={n_batch} and n_kv_heads {kv_heads} "
             f"by model={mesh.shape[MODEL_AXIS]}; change the batch size, n_kv_heads or the mesh shape"
         )
     q_spec, kv_spec, meta_spec = P(BATCH_AXES, MODEL_AXIS), P(BATCH_AXES, MODEL_AXIS), P(BATCH_AXES)
@@ -234,12 +241,18 @@ def sharded_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_me
 def attend(impl: str, q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenMeta, k_meta: TokenMeta, *,
            q_tile: int = 64, k_tile: int = 64) -> Array:
     """Attention under the block-diffusion mask by the implementation `ModelConfig.attention` names
-    (`dense`, `blocked`, `shard_map` or `pallas`; the Pallas kernels are imported on first use)."""
+    (`dense`, `blocked`, `shard_map`, `pallas` or `splash`; the Pallas kernels are imported on first
+    use). `splash` is self-attention (`q_meta` is `k_meta`) and runs per shard on a mesh."""
     if impl == "dense":
         return dense_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta)
     if impl == "pallas":
         from ._pallas_attention import pallas_attention  # it imports this module's helpers
 
         return pallas_attention(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta, q_tile=q_tile, k_tile=k_tile)
+    if impl == "splash":
+        from ._splash_attention import splash_attention
+
+        kernel = lambda q, k, v, meta, _: splash_attention(q, k, v, meta, q_tile=q_tile, k_tile=k_tile)  # noqa: E731
+        return on_mesh(kernel, "splash", q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta)
     fn = blocked_attention if impl == "blocked" else sharded_attention
     return fn(q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta, k_meta, q_tile=q_tile, k_tile=k_tile)

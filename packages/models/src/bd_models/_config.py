@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from bd_core import ConfigError, config_error
 
-ATTENTION_IMPLS = ("dense", "blocked", "shard_map", "pallas")
+ATTENTION_IMPLS = ("dense", "blocked", "shard_map", "pallas", "splash")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("elementwise", "none", "full", "save_matmuls")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -50,7 +50,8 @@ class ModelConfig:
     (online softmax over the key tiles the mask allows; O(T) memory) or `shard_map` (`blocked` per
     shard, batch over (`data`, `fsdp`), heads over `model`, on the mesh set with `jax.set_mesh`)
     or `pallas` (`blocked` as Pallas kernels, forward and backward: Triton on GPU, interpret mode
-    on CPU, which is slow and meant for tests).
+    on CPU, which is slow and meant for tests) or `splash` (TPU's splash kernels with each row's
+    mask, per shard like `shard_map`; tiles multiples of 128; interpret mode on CPU).
     `remat` picks what the backward pass recomputes per layer: `elementwise` (the default: keep the
     matmul outputs and attention's, recompute the RMSNorms, the per-head q/k norms, RoPE and the
     MLP's gated activation from them, which costs less than saving and reloading their outputs),
@@ -118,6 +119,11 @@ class ModelConfig:
                 if value & (value - 1):
                     raise fail(name, "a power of two with attention='pallas'",
                                "Triton lowers only power-of-two shapes inside a kernel; pick 16, 32, 64 or 128")
+        if self.attention == "splash":
+            for name in ("q_tile", "k_tile"):
+                if getattr(self, name) % 128:
+                    raise fail(name, "a multiple of 128 with attention='splash'",
+                               "TPU's lanes are 128 wide; set q_tile = k_tile = 128 (or 256, 512)")
         if self.remat not in REMAT_POLICIES:
             raise fail("remat", f"one of {REMAT_POLICIES}")
         for name in ("tie_embeddings", "qk_norm", "qkv_bias"):
