@@ -23,16 +23,40 @@ PRESETS = ("sdar_1p7b", "sdar_1p7b_lora", "sdar_8b", "sdar_8b_lora")
 # over 2 groups of 8 chips.
 TOPOLOGIES = {"v5e:2x4": "fsdp=8", "v6e:2x4": "fsdp=8", "v5p:2x2x4": "data=2,fsdp=8"}
 GiB = 1 << 30
+# The attention implementations compared on one TPU program: SDAR-1.7B's GRPO stage (its train step
+# reads the packed replay, whose views' blocks differ per row) on a v5e-8.
+COMPARE = ("sdar_1p7b", "v5e:2x4", "grpo")
+ATTENTIONS = ("blocked", "dense", "splash")
 
 
-def run_one(preset: str, topology: str, mesh: str) -> dict:
+def run_one(preset: str, topology: str, mesh: str, **options) -> dict:
     from bd_train.plan import _mesh_arg, plan
 
     data = tomllib.loads((ROOT / "flows" / "configs" / f"{preset}.toml").read_text())
     start = time.perf_counter()
     result = plan(data, topology, name=f"{preset}.toml", mesh=_mesh_arg(mesh),
-                  log=lambda line: print(line, file=sys.stderr, flush=True))
+                  log=lambda line: print(line, file=sys.stderr, flush=True), **options)
     return {**result.to_json(), "seconds": time.perf_counter() - start}
+
+
+def attention_table(results: dict[str, dict]) -> str:
+    preset, topology, stage = COMPARE
+    lines = [f"| attention | {stage} train step: peak GiB per chip | temporaries GiB | TFLOP per chip | est. s | "
+             "est. MFU |", "|---|---|---|---|---|---|"]
+    for attention in ATTENTIONS:
+        result = results.get(f"{preset}@{topology}@{attention}")
+        if result is None:
+            continue
+        stage_plan = next(s for s in result["stages"] if s["stage"] == stage)
+        step = next(p for p in stage_plan["programs"] if p["program"] == "train step")
+        if step.get("refused"):
+            lines.append(f"| `{attention}` | does not compile: {step['refused'][:120]} | | | | |")
+            continue
+        mfu = step["model_flops"] / (step["seconds"] * result["peak_flops"]) if step["seconds"] else 0
+        bound = "≥ " if step["seconds_from"] == "roofline" else ""
+        lines.append(f"| `{attention}` | {step['peak'] / GiB:.2f} | {step['temp'] / GiB:.2f} | "
+                     f"{step['flops'] / 1e12:.1f} | {bound}{step['seconds']:.2f} | {100 * mfu:.0f}% |")
+    return "\n".join(lines)
 
 
 def table(results: dict[str, dict]) -> str:
@@ -59,14 +83,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--only", nargs="+", default=list(PRESETS))
     parser.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
+    parser.add_argument("--attentions", nargs="*", default=list(ATTENTIONS),
+                        help=f"compare these on {COMPARE[0]}'s {COMPARE[2]} stage on {COMPARE[1]}")
+    parser.add_argument("--resume", action="store_true", help="keep the plans already in the results file")
     args = parser.parse_args()
     path = results_path("plan_presets")
     results = json.loads(path.read_text()) if path.exists() else {}
+    preset, topology, stage = COMPARE
+    for attention in args.attentions:
+        key = f"{preset}@{topology}@{attention}"
+        if args.resume and key in results:
+            continue
+        print(f"== {preset} on {topology}, {stage} with attention {attention}", file=sys.stderr, flush=True)
+        results[key] = run_one(preset, topology, TOPOLOGIES[topology], stage=stage, attention=attention,
+                               remedies=False)
+        write_results("plan_presets", results)
     for preset in args.only:
         for topology in args.topologies:
+            if args.resume and f"{preset}@{topology}" in results:
+                continue
             print(f"== {preset} on {topology}", file=sys.stderr, flush=True)
             results[f"{preset}@{topology}"] = run_one(preset, topology, TOPOLOGIES[topology])
             write_results("plan_presets", results)  # each plan kept as soon as it is made
+    compared = attention_table(results)
+    results = {k: v for k, v in results.items() if k.count("@") == 1}
     ordered = {k: results[k] for k in sorted(results, key=lambda k: (PRESETS.index(k.split("@")[0]),
                                                                     list(TOPOLOGIES).index(k.split("@")[1])))}
     body = table(ordered)
@@ -77,7 +117,12 @@ def main() -> None:
                   "+ code of the stage's largest program, per chip; est. s is the compiler's cost model or, marked "
                   "≥, the roofline bound from its FLOPs and bytes; MFU counts the model's matmul FLOPs. The "
                   "presets' stages use the canvas of `flows/configs/sdar_*.toml` (64 prompt + 128 new tokens, "
-                  "block 4).\n\n" + body, markdown=ROOT / "SCALING.md")
+                  "block 4).\n\n" + body + "\n\n**Attention on TPU.** The same program with each attention "
+                  f"implementation (`--attention`): {COMPARE[0]}'s {COMPARE[2]} stage on {COMPARE[1]}, mesh "
+                  f"{TOPOLOGIES[COMPARE[1]]}. `splash` is TPU's splash kernels with each row's block-diffusion mask; "
+                  "XLA's cost analysis cannot see into its kernels, so their FLOPs are added as dense attention's "
+                  "(every query-key pair: an upper bound) and its time at the chip's peak.\n\n" + compared,
+                  markdown=ROOT / "SCALING.md")
 
 
 if __name__ == "__main__":

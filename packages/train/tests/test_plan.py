@@ -75,6 +75,21 @@ def test_every_stage_compiles_for_v5e_with_exact_bytes_per_chip(tmp_path):
         assert programs[(stage, "held-out decoding")]["params"] == params
 
 
+def test_splash_attention_compiles_for_tpu_with_its_kernels_costed(tmp_path):
+    """`--attention splash`: GRPO's programs (rollouts, replay scoring and the train step over the
+    packed replay) compile with TPU's splash kernels on a data x model mesh; the kernels' FLOPs,
+    which XLA cannot see, are added to its count, and the rest of the step is the same program."""
+    done, splash = _plan(tmp_path, SMOKE, "--topology", "v5e:2x2", "--mesh", "data=2,model=2", "--stage", "grpo",
+                         "--attention", "splash")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done, blocked = _plan(tmp_path, SMOKE, "--topology", "v5e:2x2", "--mesh", "data=2,model=2", "--stage", "grpo")
+    assert done.returncode == 0, done.stderr[-3000:]
+    step = lambda plan: next(p for p in plan["stages"][0]["programs"] if p["program"] == "train step")  # noqa: E731
+    assert step(splash)["kernel_flops"] > 0 and step(blocked)["kernel_flops"] == 0
+    assert step(splash)["flops"] > step(splash)["kernel_flops"] and step(splash)["seconds"] > 0
+    assert step(splash)["params"] == step(blocked)["params"] and step(splash)["optimizer"] == step(blocked)["optimizer"]
+
+
 def test_a_preset_that_does_not_fit_is_refused_with_the_change_that_fits(tmp_path):
     """A 1.3B-parameter teacher replicated over 4 chips (data = 4) needs about 21 GB of weights,
     gradients and AdamW moments on each v5e chip of 16 GiB; FSDP over the same chips fits."""

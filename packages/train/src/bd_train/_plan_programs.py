@@ -57,6 +57,7 @@ class ProgramPlan:
     seconds_from: str = ""  # "xla": the compiler's estimate; "roofline": max(FLOPs / peak, bytes / bandwidth)
     model_flops: float | None = None
     refused: str | None = None  # the TPU compiler's own out-of-memory message: the program cannot run there
+    kernel_flops: float = 0.0  # splash's kernels, which XLA's cost analysis cannot see into (in `flops`)
 
     @property
     def peak(self) -> int:
@@ -76,6 +77,17 @@ class _Program:
     optimizer: int = 0
     model_flops: float | None = None
     cost: tuple[Any, int] | None = None
+    kernel_flops: float = 0.0
+
+
+def splash_flops(config: ModelConfig, tokens: tuple[int, int], passes: int, chips: int) -> float:
+    """FLOPs per chip of `attention="splash"`'s kernels over `tokens` (rows, length), `passes` 1 for
+    a forward and 3 for a train step, counted as dense attention over every (query, key) pair: an
+    upper bound, as the kernels skip the tiles a row's mask leaves empty. 0 for other attentions,
+    whose FLOPs XLA counts itself."""
+    if config.attention != "splash":
+        return 0.0
+    return passes * model_flops(config, tokens)["attention_forward"] / chips
 
 
 def _train_programs(stage: str, trainer: Trainer, make: Callable[[], Any], batch: Any, mesh: jax.sharding.Mesh,
@@ -93,8 +105,9 @@ def _train_programs(stage: str, trainer: Trainer, make: Callable[[], Any], batch
     one = Trainer(trainer.loss_fn, trainer.optimizer)
     with unroll_layers():
         costed = (one.lower(state, place_batch(micro, mesh)), microbatches) if cost else None
+    kernel = splash_flops(model_config, tokens, 3, mesh.size)
     out = [_Program(stage, "train step", trainer.lower(state, place_batch(batch, mesh)), params, optimizer, flops,
-                    costed)]
+                    costed, kernel)]
     if microbatches > 1:
         streaming = Trainer(trainer.loss_fn, trainer.optimizer, TrainerConfig(streaming=True))
         like = jax.eval_shape(lambda: as_loss_output(streaming.loss_fn(
@@ -106,7 +119,8 @@ def _train_programs(stage: str, trainer: Trainer, make: Callable[[], Any], batch
             lowered = streaming.lower(state, place_batch(micro, mesh), is_update_step=update)
             with unroll_layers():
                 costed = (streaming.lower(state, place_batch(micro, mesh), is_update_step=update), 1) if cost else None
-            out.append(_Program(stage, name, lowered, params, optimizer, flops / microbatches, costed))
+            out.append(_Program(stage, name, lowered, params, optimizer, flops / microbatches, costed,
+                                kernel / microbatches))
     return out
 
 
@@ -115,7 +129,7 @@ def _sampler_program(stage: str, name: str, make: Callable[[], Any], sampler: Sa
     abstract = eqx.filter_eval_shape(make)
     model = place_state(abstract, abstract, mesh)
     tokens, valid = place_batch((sds((rows, prompt_len), jnp.int32), sds((rows, prompt_len), jnp.bool_)), mesh)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=NamedSharding(mesh, P()))
     return _Program(stage, name, lower_sample(model, tokens, valid, sampler, key=key), bytes_per_chip(model))
 
 
@@ -165,7 +179,8 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: bool 
         with unroll_layers():
             costed = (lower(forward, placed, layout), 1) if cost else None
         programs.append(_Program(stage, "teacher forward", lower(forward, placed, layout), bytes_per_chip(placed),
-                                 cost=costed))
+                                 cost=costed,
+                                 kernel_flops=splash_flops(run.model_config("teacher"), (rows, length), 1, mesh.size)))
         loss = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
                                        positions=section.positions, mask_id=run.tokenizer.mask_id))
         batch = DistillationBatch(replay, sds(logits.shape, logits.dtype))
@@ -179,7 +194,8 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: bool 
             with unroll_layers():
                 costed = (lower(score, placed, place_batch(replay, mesh)), 1) if cost else None
             programs.append(_Program(stage, "reference scoring", lower(score, placed, place_batch(replay, mesh)),
-                                     bytes_per_chip(placed), cost=costed))
+                                     bytes_per_chip(placed), cost=costed,
+                                     kernel_flops=splash_flops(student, (rows, length), 1, mesh.size)))
         loss = make_grpo_loss(grpo_config(run), distribution_score(distribution))
         batch = GRPOBatch(replay, sds((rows, length), jnp.float32), sds((rows,), jnp.float32), ref)
     trainer = Trainer(loss, optimizer, TrainerConfig(microbatches=section.microbatches))
@@ -212,7 +228,9 @@ def compile_program(program: _Program, chip: Any) -> ProgramPlan:
     """Compile for memory (the program as it runs) and for cost (`program.cost`: XLA counts a
     loop body once, so the sampler's figures are one pass of its loops and carry no time). The
     time is XLA's estimate where its TPU cost model gives one, else the roofline bound from its
-    FLOPs and bytes accessed against the chip's peak and HBM bandwidth."""
+    FLOPs and bytes accessed against the chip's peak and HBM bandwidth. Splash's kernels are opaque
+    to XLA's cost analysis: their FLOPs (`kernel_flops`, an upper bound) are added to its count and
+    their time at the chip's peak to its estimate."""
     try:
         compiled = program.lowered.compile()
     except jax.errors.JaxRuntimeError as err:
@@ -224,9 +242,10 @@ def compile_program(program: _Program, chip: Any) -> ProgramPlan:
     if program.cost is not None:
         lowered, times = program.cost
         cost = _cost(lowered.compile())
-        flops, accessed = times * float(cost.get("flops", 0.0)), times * float(cost.get("bytes accessed", 0.0))
+        flops = times * float(cost.get("flops", 0.0)) + program.kernel_flops
+        accessed = times * float(cost.get("bytes accessed", 0.0))
         if cost.get("optimal_seconds", -1.0) > 0:  # negative: the cost model has no estimate
-            seconds, source = times * float(cost["optimal_seconds"]), "xla"
+            seconds, source = times * float(cost["optimal_seconds"]) + program.kernel_flops / chip.peak_flops, "xla"
         else:
             seconds, source = max(flops / chip.peak_flops, accessed / chip.hbm_bandwidth), "roofline"
     else:
@@ -235,4 +254,5 @@ def compile_program(program: _Program, chip: Any) -> ProgramPlan:
     return ProgramPlan(program.stage, program.program, int(memory.argument_size_in_bytes),
                        int(memory.output_size_in_bytes), int(memory.alias_size_in_bytes),
                        int(memory.temp_size_in_bytes), int(memory.generated_code_size_in_bytes), program.params,
-                       program.optimizer, flops, accessed, seconds, source, program.model_flops)
+                       program.optimizer, flops, accessed, seconds, source, program.model_flops,
+                       kernel_flops=program.kernel_flops)

@@ -110,9 +110,10 @@ def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topolo
     mesh = make_plan_mesh(mesh_shape, topo)
     run = shapes_run(config)
     programs = []
-    for program in stage_programs(run, stage, mesh, cost=cost):
-        log(f"  compiling {stage}: {program.program} ...")
-        programs.append(compile_program(program, topo.chip))
+    with jax.set_mesh(mesh):  # as the stages run: `shard_map` and `splash` attention read it
+        for program in stage_programs(run, stage, mesh, cost=cost):
+            log(f"  compiling {stage}: {program.program} ...")
+            programs.append(compile_program(program, topo.chip))
     return StagePlan(stage, programs, topo.chip.hbm)
 
 
@@ -153,10 +154,14 @@ def _remedies(config: dict, stage: str, mesh: dict[str, int], over: float) -> li
 
 
 def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "all", num_slices: int = 1,
-         mesh: dict[str, int] | None = None, remedies: bool = True,
+         mesh: dict[str, int] | None = None, remedies: bool = True, attention: str | None = None,
          log: Callable[[str], None] = lambda _: None) -> Plan:
-    """Compile every program of the preset `data` (its TOML as a dict) for `topology_name`."""
+    """Compile every program of the preset `data` (its TOML as a dict) for `topology_name`;
+    `attention` replaces both models' `[teacher]`/`[student] attention`."""
     from .stages._config import parse_pipeline_config, pipeline_config
+
+    if attention is not None:
+        data = {**data, **{role: {**data.get(role, {}), "attention": attention} for role in ("teacher", "student")}}
 
     topo = topology(topology_name, num_slices=num_slices)
     config = pipeline_config(parse_pipeline_config(data))
@@ -237,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", choices=[*STAGES, "all"], default="all")
     parser.add_argument("--mesh", type=_mesh_arg, default=None, help="data=N,fsdp=N,model=N (default: the preset's)")
     parser.add_argument("--no-remedies", action="store_true", help="do not re-plan a stage that does not fit")
+    parser.add_argument("--attention", choices=["dense", "blocked", "shard_map", "splash"], default=None,
+                        help="both models' attention (default: the preset's); splash is TPU's kernel")
     parser.add_argument("--json", default=None, help="also write the plan as JSON here")
     args = parser.parse_args(argv)
     path = Path(args.preset)
@@ -247,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         result = plan(data, args.topology, name=path.name, stage=args.stage, num_slices=args.num_slices,
-                      mesh=args.mesh, remedies=not args.no_remedies,
+                      mesh=args.mesh, remedies=not args.no_remedies, attention=args.attention,
                       log=lambda line: print(line, file=sys.stderr, flush=True))
     except (TopologyError, ConfigError, MeshError) as err:
         print(f"plan: {err}", file=sys.stderr)

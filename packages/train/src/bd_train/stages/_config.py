@@ -108,7 +108,8 @@ class ModelSection:
     n_heads: int = 4
     n_kv_heads: int | None = None
     d_ff: int | None = None
-    attention: Literal["dense", "blocked", "shard_map", "pallas"] = "blocked"
+    # `splash` (TPU's kernels) runs with tiles of 128, the others with bd_models' default of 64.
+    attention: Literal["dense", "blocked", "shard_map", "pallas", "splash"] = "blocked"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     # What the backward pass recomputes per layer (bd_models.ModelConfig.remat).
@@ -137,7 +138,11 @@ class ModelSection:
         return dict(d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
                     n_kv_heads=self.n_kv_heads or self.n_heads, d_ff=self.d_ff or 4 * self.d_model,
                     attention=self.attention, param_dtype=self.param_dtype, compute_dtype=self.compute_dtype,
-                    remat=self.remat)
+                    remat=self.remat, **self.tiles())
+
+    def tiles(self) -> dict[str, int]:
+        """The attention's query and key tiles where they differ from bd_models' default."""
+        return {"q_tile": 128, "k_tile": 128} if self.attention == "splash" else {}
 
 
 @dataclasses.dataclass(frozen=True)

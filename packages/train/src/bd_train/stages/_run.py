@@ -202,7 +202,8 @@ class Run:
         return dict(raw=raw, where=str(Path(section.pretrained) / "config.json"),
                     block_size=self.config.canvas.block_size,
                     vocab_size=max(int(raw.get("vocab_size", 0)), self.tokenizer.vocab_size),
-                    **{k: kwargs[k] for k in ("param_dtype", "compute_dtype", "attention", "remat")})
+                    **{k: kwargs[k] for k in ("param_dtype", "compute_dtype", "attention", "remat")},
+                    **section.tiles())
 
     def sampler_config(self, section: SamplerSection) -> SamplerConfig:
         canvas, tok = self.config.canvas, self.tokenizer
