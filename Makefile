@@ -83,10 +83,11 @@ interop:
 	.interop/bin/python packages/models/tests/fixtures/hf/check_live.py
 
 # Benchmarks print ratios measured in one process and refresh their section of BENCHMARKS.md.
-bench: sync
+bench: sync plan-env
 	@for f in bench/train_step.py bench/sampling.py bench/sft_weighting.py bench/remat.py bench/import_memory.py bench/lora.py \
 	  bench/profile_step.py bench/sampler_batch.py bench/noisy_views.py bench/host_memory.py bench/checkpoint_digest.py; do \
 	  if [ -f $$f ]; then echo "== $$f"; $(RUN) python $$f || exit 1; fi; done
+	@echo "== bench/plan_presets.py"; .plan/bin/python bench/plan_presets.py
 
 # On a machine with an NVIDIA GPU: JAX's CUDA 12 plugin at the pinned jax version goes into .venv
 # (a later `make sync` after a pyproject change removes it again), then bench/accelerator.py

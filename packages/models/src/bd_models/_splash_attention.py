@@ -43,14 +43,17 @@ def _kernel(mask_1xTxT: Array, tiles: splash.BlockSizes, interpret: bool) -> spl
     would carry `is_dynamic_mask` as a traced array, which the kernel reads as a Python bool: it is
     put back."""
     made = splash.make_splash_mha(mask_1xTxT, block_sizes=tiles, head_shards=1, q_seq_shards=1, interpret=interpret)
-    infos = (info._replace(is_dynamic_mask=True) if info is not None else None
-             for info in (made.fwd_mask_info, made.dq_mask_info, made.dkv_mask_info))
-    return splash.SplashAttentionKernel(*infos, **made.kwargs)
+    fwd, dq, dkv = (info._replace(is_dynamic_mask=True) if info is not None else None
+                    for info in (made.fwd_mask_info, made.dq_mask_info, made.dkv_mask_info))
+    assert fwd is not None
+    return splash.SplashAttentionKernel(fwd, dq, dkv, **made.kwargs)
 
 
 def _rows(q_BxHxTxE, k_BxKxTxE, v_BxKxTxE, mask_BxTxT, *, tiles: splash.BlockSizes, interpret: bool) -> Array:
-    def one(q, k, v, mask):
-        return _kernel(mask[None], tiles, interpret)(q, k, v)
+    def one(q, k, v, mask) -> Array:
+        out = _kernel(mask[None], tiles, interpret)(q, k, v)  # without save_residuals: the output alone
+        assert isinstance(out, jax.Array)
+        return out
 
     return jax.vmap(one)(q_BxHxTxE, k_BxKxTxE, v_BxKxTxE, mask_BxTxT)
 
