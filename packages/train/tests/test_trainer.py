@@ -358,6 +358,32 @@ def test_sharded_step_equals_single_device(batch_factory, mesh_shape):
     assert _relative_error(single.opt_state, _reference_grads(model, batch)) <= 1e-6
 
 
+def test_a_streamed_accumulator_stays_split_like_the_parameters(batch_factory):
+    """Under FSDP no device holds more of the streaming accumulator than of the parameters, at
+    `init` and at every call (an accumulator emptied as a constant came back whole on every device
+    after each update: the model's size in float32 per device)."""
+    config = ModelConfig(vocab_size=16, d_model=64, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=128, block_size=2,
+                         attention="dense")
+    mesh = make_mesh(1, 8, 1)
+    model = shard_model(BlockDiffusionLM(config, key=jax.random.key(9)), mesh)
+    trainer = Trainer(sft_objective, make_optimizer(OptimizerConfig(learning_rate=1e-2)), TrainerConfig(streaming=True))
+    batches = [shard_batch(batch_factory(60 + seed, rows=8), mesh) for seed in range(2)]
+    state = trainer.init(model, key=jax.random.key(0), microbatch=batches[0])
+
+    def split_like_params(state) -> bool:
+        params = jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array))
+        shard = lambda x: np.prod(x.sharding.shard_shape(x.shape))  # noqa: E731
+        return all(shard(g) <= shard(p) for g, p in zip(jax.tree.leaves(state.accumulator.grads), params, strict=True))
+
+    assert split_like_params(state)
+    for _ in range(2):
+        state, _ = trainer.step(state, batches[0], is_update_step=False)
+        assert split_like_params(state)
+        state, _ = trainer.step(state, batches[1])
+        emptied = [np.asarray(g) for g in jax.tree.leaves(state.accumulator.grads)]
+        assert split_like_params(state) and not any(g.any() or np.signbit(g).any() for g in emptied)  # +0 only
+
+
 def test_lower_gives_the_step_program_for_its_memory_and_cost(toy_model, batch_factory):
     """`Trainer.lower` is the program `step` runs: it takes the state as arguments (parameters and
     AdamW moments at least) and does the step's arithmetic."""
