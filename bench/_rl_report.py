@@ -70,7 +70,7 @@ def curve_table(arms: dict, base: dict, seeds: list[int]) -> list[str]:
 
 def dynamics_table(arms: dict, seeds: list[int]) -> list[str]:
     lines = ["| arm | seed | rollout reward, first → last 16 updates | entropy, first → last | "
-             "gradient cosine at 0 / 8 / 32 / 128 updates |", "|---|---|---|---|---|"]
+             "gradient cosine of two batches, at updates |", "|---|---|---|---|---|"]
     for name in [n for n in ARMS if n in arms and ARMS[n].stage == "grpo"]:
         for s in seeds:
             record = arms[name].get(s)
@@ -81,7 +81,8 @@ def dynamics_table(arms: dict, seeds: list[int]) -> list[str]:
                 continue
             first, last = rows[:16], rows[-16:]
             mean = lambda rs, k: float(np.mean([r[k] for r in rs]))  # noqa: E731
-            cos = " / ".join(f"{p['gradient_cosine']:.2f}" for p in record["points"] if "gradient_cosine" in p)
+            cos = ", ".join(f"{p['updates']}: {p['gradient_cosine']:.2f}"
+                            for p in record["points"] if "gradient_cosine" in p)
             lines.append(f"| {name} | {s} | {mean(first, 'reward_mean'):.3f} → {mean(last, 'reward_mean'):.3f} | "
                          f"{mean(first, 'entropy'):.4f} → {mean(last, 'entropy'):.4f} | {cos} |")
     return lines

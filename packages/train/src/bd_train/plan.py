@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -111,9 +112,13 @@ def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topolo
     run = shapes_run(config)
     programs = []
     with jax.set_mesh(mesh):  # as the stages run: `shard_map` and `splash` attention read it
-        for program in stage_programs(run, stage, mesh, cost=cost):
-            log(f"  compiling {stage}: {program.program} ...")
+        start = time.perf_counter()
+        lowered = stage_programs(run, stage, mesh, cost=cost)
+        log(f"  lowered {stage}'s {len(lowered)} programs in {time.perf_counter() - start:.0f} s")
+        for program in lowered:
+            start = time.perf_counter()
             programs.append(compile_program(program, topo.chip))
+            log(f"  compiled {stage}: {program.program} in {time.perf_counter() - start:.0f} s")
     return StagePlan(stage, programs, topo.chip.hbm)
 
 
