@@ -115,7 +115,7 @@ def plot(data: dict, path: Path) -> None:
     studies = [s for s in data if "base" in data[s] and s != "smoke" and has_curves(s)]
     fig, axes = plt.subplots(1, max(1, len(studies)), figsize=(5 * max(1, len(studies)), 3.6), squeeze=False)
     colors = {"grpo": "tab:red", "grpo_exact": "tab:purple", "grpo_positions": "tab:orange", "grpo_rloo": "tab:pink",
-              "opd_more": "tab:blue", "sft_more": "tab:green", "grpo_from_sft": "tab:brown"}
+              "opd_more": "tab:blue", "sft_more": "tab:green", "grpo_from_sft": "tab:brown", "grpo_g4": "tab:olive"}
     for ax, study in zip(axes[0], studies):
         arms, base = data[study], data[study]["base"]
         for name in [n for n in ARMS if n in arms and ARMS[n].start == "opd"]:
