@@ -61,3 +61,23 @@ def test_init_sharded_builds_the_model_in_its_shards():
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert g.sharding == w.sharding and g.dtype == w.dtype
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-6)
+
+
+def test_under_fsdp_the_weights_are_gathered_not_the_activations(layouts):
+    """With weights split over `fsdp` on their input axis and rows over the same axis, every
+    all-gather of the compiled forward and backward is of a weight: no chip gathers the batch's
+    activations (rows x features) or logits, which the backward would then keep whole."""
+    import re
+
+    layout = layouts(0, batch=8, prompt_blocks=1, completion_blocks=2).layout
+    b, t = layout.tokens.shape
+    mesh = make_mesh(1, 8, 1)
+    model = shard_model(BlockDiffusionLM(CONFIG, key=jax.random.key(0)), mesh)
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(jax.grad(_loss)).lower(model, shard_batch(layout, mesh)).compile().as_text()
+    gathered = [tuple(int(n) for n in dims.split(",") if n) for dtype, dims in
+                re.findall(r"= \(?([a-z0-9]+)\[([0-9,]*)\][^=]*? all-gather(?:-start)?\(", hlo)
+                if dtype.startswith(("f", "bf"))]  # token ids (integers) are not activations
+    assert gathered, "expected the weights to be gathered"
+    for dims in gathered:
+        assert b * t not in dims and dims[:2] != (b, t), f"activations gathered: {dims}"

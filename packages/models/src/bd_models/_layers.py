@@ -21,6 +21,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ._activations import rows
+from ._attention import MODEL_AXIS
 from ._config import ModelConfig, RopeScaling
 from ._lora import LoRAWeight, lora_matmul
 
@@ -138,10 +140,10 @@ class DecoderLayer(eqx.Module):
         # Two stretches to recompute: the norm before the projections (the matmuls' backward needs
         # only the normed input, so they are not rerun), and the q/k norms and RoPE after them.
         def project(layer: DecoderLayer, x_BxTxD):
-            h_BTxD = rms_norm(x_BxTxD, layer.attn_norm, eps, dtype).reshape(b * t, d)
-            return (_matmul(h_BTxD, layer.wq, dtype, layer.bq).reshape(b, t, kv * g, e),
-                    _matmul(h_BTxD, layer.wk, dtype, layer.bk).reshape(b, t, kv, e),
-                    _matmul(h_BTxD, layer.wv, dtype, layer.bv).reshape(b, t, kv, e))
+            h_BTxD = rms_norm(rows(x_BxTxD), layer.attn_norm, eps, dtype).reshape(b * t, d)
+            return (rows(_matmul(h_BTxD, layer.wq, dtype, layer.bq), MODEL_AXIS).reshape(b, t, kv * g, e),
+                    rows(_matmul(h_BTxD, layer.wk, dtype, layer.bk), MODEL_AXIS).reshape(b, t, kv, e),
+                    rows(_matmul(h_BTxD, layer.wv, dtype, layer.bv), MODEL_AXIS).reshape(b, t, kv, e))
 
         def position(q_norm, k_norm, q, k, cos, sin):
             if q_norm is not None and k_norm is not None:
@@ -157,15 +159,16 @@ class DecoderLayer(eqx.Module):
         """Output projection and residual, then the SwiGLU MLP and residual."""
         b, t, d = x_BxTxD.shape
         dtype = config.compute_jnp_dtype
-        x_BTxD = x_BxTxD.reshape(b * t, d) + _matmul(attn_BxTxKxGxE.reshape(b * t, -1).astype(dtype), self.wo, dtype)
+        x_BTxD = x_BxTxD.reshape(b * t, d) + rows(
+            _matmul(rows(attn_BxTxKxGxE.reshape(b * t, -1).astype(dtype), MODEL_AXIS), self.wo, dtype))
 
         # Recomputed stretches (see `qkv`): the norm before gate/up, the activation before down.
         def gate_up(norm, w_gate, w_up, x_BTxD):
             h_BTxD = rms_norm(x_BTxD, norm, config.norm_eps, dtype)
-            return _matmul(h_BTxD, w_gate, dtype), _matmul(h_BTxD, w_up, dtype)
+            return rows(_matmul(h_BTxD, w_gate, dtype), MODEL_AXIS), rows(_matmul(h_BTxD, w_up, dtype), MODEL_AXIS)
 
         def down(w_down, gate_BTxF, up_BTxF):
-            return _matmul(_ACTIVATIONS[config.activation](gate_BTxF) * up_BTxF, w_down, dtype)
+            return rows(_matmul(_ACTIVATIONS[config.activation](gate_BTxF) * up_BTxF, w_down, dtype))
 
         gate_BTxF, up_BTxF = _recompute(gate_up, config)(self.mlp_norm, self.w_gate, self.w_up, x_BTxD)
         x_BTxD = x_BTxD + _recompute(down, config)(self.w_down, gate_BTxF, up_BTxF)

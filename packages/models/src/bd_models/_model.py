@@ -18,6 +18,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from bd_core import CLEAN_VIEW, TokenMeta, ViewLayout
 
+from ._activations import rows
 from ._attention import attend, cached_attention
 from ._cache import KVCache
 from ._config import ModelConfig
@@ -98,7 +99,7 @@ class BlockDiffusionLM(eqx.Module):
         return model
 
     def embed(self, tokens: Int[ArrayLike, "B T"]) -> Float[Array, "B T D"]:
-        return jnp.take(self.embedding, tokens, axis=0).astype(self.config.compute_jnp_dtype)
+        return rows(jnp.take(self.embedding, tokens, axis=0).astype(self.config.compute_jnp_dtype))
 
     def __call__(self, layout: ViewLayout) -> Float[Array, "B T V"]:
         return self.embed_forward(self.embed(layout.tokens), layout)
@@ -125,7 +126,7 @@ class BlockDiffusionLM(eqx.Module):
         dtype = config.compute_jnp_dtype
         h_BTxD = rms_norm(x_BxTxD.reshape(b * t, d), self.final_norm, config.norm_eps, dtype)
         head_DxV = self.embedding.T if self.lm_head is None else self.lm_head
-        logits_BTxV = jnp.dot(h_BTxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32)
+        logits_BTxV = rows(jnp.dot(h_BTxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32))
         return logits_BTxV.reshape(b, t, -1)
 
     def init_cache(self, batch_size: int, max_len: int) -> KVCache:
