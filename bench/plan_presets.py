@@ -29,13 +29,16 @@ COMPARE = ("sdar_1p7b", "v5e:2x4", "grpo")
 ATTENTIONS = ("blocked", "dense", "splash")
 
 
+MEMO: dict[str, dict] = {}  # programs compiled for a slice, by their StableHLO: the presets share a teacher
+
+
 def run_one(preset: str, topology: str, mesh: str, **options) -> dict:
     from bd_train.plan import _mesh_arg, plan
 
     data = tomllib.loads((ROOT / "flows" / "configs" / f"{preset}.toml").read_text())
     start = time.perf_counter()
     result = plan(data, topology, name=f"{preset}.toml", mesh=_mesh_arg(mesh),
-                  log=lambda line: print(line, file=sys.stderr, flush=True), **options)
+                  log=lambda line: print(line, file=sys.stderr, flush=True), memo=MEMO, **options)
     return {**result.to_json(), "seconds": time.perf_counter() - start}
 
 
@@ -86,25 +89,33 @@ def main() -> None:
     parser.add_argument("--attentions", nargs="*", default=list(ATTENTIONS),
                         help=f"compare these on {COMPARE[0]}'s {COMPARE[2]} stage on {COMPARE[1]}")
     parser.add_argument("--resume", action="store_true", help="keep the plans already in the results file")
+    parser.add_argument("--table", action="store_true", help="only write SCALING.md's table from the results file")
     args = parser.parse_args()
     path = results_path("plan_presets")
     results = json.loads(path.read_text()) if path.exists() else {}
+
+    def keep(key: str, plan: dict) -> None:
+        """Each plan kept as soon as it is made, merged into the file as it is now: several
+        processes may plan disjoint presets or slices at once."""
+        results[key] = plan
+        write_results("plan_presets", {**(json.loads(path.read_text()) if path.exists() else {}), key: plan})
+
+    if args.table:
+        args.attentions, args.only = [], []
     preset, topology, stage = COMPARE
     for attention in args.attentions:
         key = f"{preset}@{topology}@{attention}"
         if args.resume and key in results:
             continue
         print(f"== {preset} on {topology}, {stage} with attention {attention}", file=sys.stderr, flush=True)
-        results[key] = run_one(preset, topology, TOPOLOGIES[topology], stage=stage, attention=attention,
-                               remedies=False)
-        write_results("plan_presets", results)
+        keep(key, run_one(preset, topology, TOPOLOGIES[topology], stage=stage, attention=attention, remedies=False))
     for preset in args.only:
         for topology in args.topologies:
             if args.resume and f"{preset}@{topology}" in results:
                 continue
             print(f"== {preset} on {topology}", file=sys.stderr, flush=True)
-            results[f"{preset}@{topology}"] = run_one(preset, topology, TOPOLOGIES[topology])
-            write_results("plan_presets", results)  # each plan kept as soon as it is made
+            keep(f"{preset}@{topology}", run_one(preset, topology, TOPOLOGIES[topology]))
+    results = json.loads(path.read_text()) if path.exists() else {}
     compared = attention_table(results)
     results = {k: v for k, v in results.items() if k.count("@") == 1}
     ordered = {k: results[k] for k in sorted(results, key=lambda k: (PRESETS.index(k.split("@")[0]),

@@ -73,6 +73,12 @@ def test_every_stage_compiles_for_v5e_with_exact_bytes_per_chip(tmp_path):
         assert step["argument"] >= step["params"] + step["optimizer"] and step["peak"] > 0
         assert step["flops"] > 0 and step["seconds"] > 0 and step["model_flops"] > 0
         assert programs[(stage, "held-out decoding")]["params"] == params
+    # The student's held-out decoding is one program in every stage: compiled once, its figures reused.
+    assert done.stderr.count("compiled sft-student: held-out decoding in") == 1
+    decoding = programs[("sft-student", "held-out decoding")]
+    for stage in ("opd", "grpo"):
+        assert f"{stage}: held-out decoding: compiled before" in done.stderr
+        assert programs[(stage, "held-out decoding")] == decoding | {"stage": stage}
 
 
 def test_splash_attention_compiles_for_tpu_with_its_kernels_costed(tmp_path):

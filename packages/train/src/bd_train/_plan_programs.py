@@ -5,6 +5,7 @@ mesh (`_plan_shapes`), compiled, and read for memory per chip and XLA's cost.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from collections.abc import Callable
 from typing import Any
@@ -224,24 +225,52 @@ def _refused(program: _Program, message: str) -> ProgramPlan:
                        None, "", program.model_flops, refused=line)
 
 
-def compile_program(program: _Program, chip: Any) -> ProgramPlan:
+@dataclasses.dataclass(frozen=True)
+class _Figures:
+    """What a plan reads of one compiled program: its memory per chip and XLA's cost, or the TPU
+    compiler's refusal."""
+
+    memory: tuple[int, int, int, int, int]  # argument, output, alias, temp, generated code
+    cost: dict[str, float]
+    refused: str | None = None
+
+
+def _figures(lowered: Any, memo: dict[str, _Figures] | None) -> _Figures:
+    """Compile `lowered` once per plan: the same program (a stage's held-out decoding, a program a
+    remedy leaves unchanged) recurs across stages and retries, and is known by its StableHLO."""
+    key = hashlib.sha256(lowered.as_text().encode()).hexdigest() if memo is not None else ""
+    if memo is not None and key in memo:
+        return memo[key]
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        figures = _Figures((0, 0, 0, 0, 0), {}, str(err))
+    else:
+        m = compiled.memory_analysis()
+        figures = _Figures((int(m.argument_size_in_bytes), int(m.output_size_in_bytes), int(m.alias_size_in_bytes),
+                            int(m.temp_size_in_bytes), int(m.generated_code_size_in_bytes)), _cost(compiled))
+    if memo is not None:
+        memo[key] = figures
+    return figures
+
+
+def compile_program(program: _Program, chip: Any, memo: dict[str, _Figures] | None = None) -> ProgramPlan:
     """Compile for memory (the program as it runs) and for cost (`program.cost`: XLA counts a
     loop body once, so the sampler's figures are one pass of its loops and carry no time). The
     time is XLA's estimate where its TPU cost model gives one, else the roofline bound from its
     FLOPs and bytes accessed against the chip's peak and HBM bandwidth. Splash's kernels are opaque
     to XLA's cost analysis: their FLOPs (`kernel_flops`, an upper bound) are added to its count and
-    their time at the chip's peak to its estimate."""
-    try:
-        compiled = program.lowered.compile()
-    except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        return _refused(program, str(err))
-    memory = compiled.memory_analysis()
+    their time at the chip's peak to its estimate. `memo` (one per slice) keeps every program's
+    figures by its StableHLO, so a program that recurs is compiled once."""
+    figures = _figures(program.lowered, memo)
+    if figures.refused is not None:
+        return _refused(program, figures.refused)
     seconds, source = None, ""
     if program.cost is not None:
         lowered, times = program.cost
-        cost = _cost(lowered.compile())
+        cost = _figures(lowered, memo).cost
         flops = times * float(cost.get("flops", 0.0)) + program.kernel_flops
         accessed = times * float(cost.get("bytes accessed", 0.0))
         if cost.get("optimal_seconds", -1.0) > 0:  # negative: the cost model has no estimate
@@ -249,10 +278,6 @@ def compile_program(program: _Program, chip: Any) -> ProgramPlan:
         else:
             seconds, source = max(flops / chip.peak_flops, accessed / chip.hbm_bandwidth), "roofline"
     else:
-        cost = _cost(compiled)
-        flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-    return ProgramPlan(program.stage, program.program, int(memory.argument_size_in_bytes),
-                       int(memory.output_size_in_bytes), int(memory.alias_size_in_bytes),
-                       int(memory.temp_size_in_bytes), int(memory.generated_code_size_in_bytes), program.params,
-                       program.optimizer, flops, accessed, seconds, source, program.model_flops,
-                       kernel_flops=program.kernel_flops)
+        flops, accessed = float(figures.cost.get("flops", 0.0)), float(figures.cost.get("bytes accessed", 0.0))
+    return ProgramPlan(program.stage, program.program, *figures.memory, program.params, program.optimizer, flops,
+                       accessed, seconds, source, program.model_flops, kernel_flops=program.kernel_flops)

@@ -107,7 +107,10 @@ def _stage_names(config: Any, which: str) -> list[str]:
 
 
 def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topology,
-               log: Callable[[str], None] = lambda _: None, *, cost: bool = True) -> StagePlan:
+               log: Callable[[str], None] = lambda _: None, *, cost: bool = True,
+               memo: dict | None = None) -> StagePlan:
+    """Compile `stage`'s programs for `topo`; `memo` (one per slice) carries programs compiled
+    already, by their StableHLO, from stage to stage and remedy to remedy."""
     mesh = make_plan_mesh(mesh_shape, topo)
     run = shapes_run(config)
     programs = []
@@ -116,9 +119,12 @@ def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topolo
         lowered = stage_programs(run, stage, mesh, cost=cost)
         log(f"  lowered {stage}'s {len(lowered)} programs in {time.perf_counter() - start:.0f} s")
         for program in lowered:
-            start = time.perf_counter()
-            programs.append(compile_program(program, topo.chip))
-            log(f"  compiled {stage}: {program.program} in {time.perf_counter() - start:.0f} s")
+            start, known = time.perf_counter(), len(memo) if memo is not None else -1
+            programs.append(compile_program(program, topo.chip, memo))
+            if memo is not None and len(memo) == known:
+                log(f"  {stage}: {program.program}: compiled before (the same StableHLO)")
+            else:
+                log(f"  compiled {stage}: {program.program} in {time.perf_counter() - start:.0f} s")
     return StagePlan(stage, programs, topo.chip.hbm)
 
 
@@ -160,9 +166,11 @@ def _remedies(config: dict, stage: str, mesh: dict[str, int], over: float) -> li
 
 def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "all", num_slices: int = 1,
          mesh: dict[str, int] | None = None, remedies: bool = True, attention: str | None = None,
-         log: Callable[[str], None] = lambda _: None) -> Plan:
+         log: Callable[[str], None] = lambda _: None, memo: dict[str, dict] | None = None) -> Plan:
     """Compile every program of the preset `data` (its TOML as a dict) for `topology_name`;
-    `attention` replaces both models' `[teacher]`/`[student] attention`."""
+    `attention` replaces both models' `[teacher]`/`[student] attention`. `memo`, kept across
+    calls, lets plans of several presets share what they compiled for the same slice (the same
+    teacher, say)."""
     from .stages._config import parse_pipeline_config, pipeline_config
 
     if attention is not None:
@@ -173,8 +181,9 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
     mesh_shape = mesh or {"data": config.mesh.data, "fsdp": config.mesh.fsdp, "model": config.mesh.model}
     log(f"{topo.describe()}; mesh {mesh_shape}")
     stages = []
+    memo = ({} if memo is None else memo).setdefault(f"{topology_name} x {num_slices}", {})
     for name in _stage_names(config, stage):
-        result = plan_stage(config, name, mesh_shape, topo, log)
+        result = plan_stage(config, name, mesh_shape, topo, log, memo=memo)
         if not result.fits and remedies:
             result.remedy = "no single change tried makes it fit"
             over = result.peak / (0.9 * topo.chip.hbm)
@@ -182,10 +191,11 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
                 log(f"  {name} does not fit ({result.peak / GiB:.1f} GiB): trying {description}")
                 try:
                     retry = plan_stage(pipeline_config(parse_pipeline_config(changed)), name, changed_mesh, topo, log,
-                                       cost=False)  # whether it fits: memory only
+                                       cost=False, memo=memo)  # whether it fits: memory only
                 except (ConfigError, MeshError) as err:
                     log(f"    not possible: {err}")
                     continue
+                log(f"    peak {retry.peak / GiB:.1f} GiB per chip with {description}")
                 if retry.fits:
                     result.remedy = f"fits with {description} (peak {retry.peak / GiB:.2f} GiB per chip)"
                     break
