@@ -107,20 +107,26 @@ def _stage_names(config: Any, which: str) -> list[str]:
 
 
 def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topology,
-               log: Callable[[str], None] = lambda _: None, *, cost: bool = True,
+               log: Callable[[str], None] = lambda _: None, *, cost: str | None = "layers",
                memo: dict | None = None) -> StagePlan:
     """Compile `stage`'s programs for `topo`; `memo` (one per slice) carries programs compiled
-    already, by their StableHLO, from stage to stage and remedy to remedy."""
+    already, by their StableHLO, from stage to stage and remedy to remedy. `cost`: "layers" (XLA's
+    counts for the models cut to 1 and 2 unrolled layers, extended to all of them), "unrolled" (every
+    layer unrolled: the same counts, compiled at length) or None (memory only)."""
     mesh = make_plan_mesh(mesh_shape, topo)
     run = shapes_run(config)
     programs = []
     with jax.set_mesh(mesh):  # as the stages run: `shard_map` and `splash` attention read it
         start = time.perf_counter()
-        lowered = stage_programs(run, stage, mesh, cost=cost)
+        lowered = stage_programs(run, stage, mesh, cost=cost == "unrolled")
+        twins: list[Any] = [None] * len(lowered)
+        if cost == "layers":
+            cut = [stage_programs(shapes_run(config, layers=n), stage, mesh, cost=True) for n in (1, 2)]
+            twins = list(zip(*cut, strict=True))
         log(f"  lowered {stage}'s {len(lowered)} programs in {time.perf_counter() - start:.0f} s")
-        for program in lowered:
+        for program, pair in zip(lowered, twins, strict=True):
             start, known = time.perf_counter(), len(memo) if memo is not None else -1
-            programs.append(compile_program(program, topo.chip, memo))
+            programs.append(compile_program(program, topo.chip, memo, pair))
             if memo is not None and len(memo) == known:
                 log(f"  {stage}: {program.program}: compiled before (the same StableHLO)")
             else:
@@ -166,7 +172,8 @@ def _remedies(config: dict, stage: str, mesh: dict[str, int], over: float) -> li
 
 def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "all", num_slices: int = 1,
          mesh: dict[str, int] | None = None, remedies: bool = True, attention: str | None = None,
-         log: Callable[[str], None] = lambda _: None, memo: dict[str, dict] | None = None) -> Plan:
+         log: Callable[[str], None] = lambda _: None, memo: dict[str, dict] | None = None,
+         cost: str = "layers") -> Plan:
     """Compile every program of the preset `data` (its TOML as a dict) for `topology_name`;
     `attention` replaces both models' `[teacher]`/`[student] attention`. `memo`, kept across
     calls, lets plans of several presets share what they compiled for the same slice (the same
@@ -183,7 +190,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
     stages = []
     memo = ({} if memo is None else memo).setdefault(f"{topology_name} x {num_slices}", {})
     for name in _stage_names(config, stage):
-        result = plan_stage(config, name, mesh_shape, topo, log, memo=memo)
+        result = plan_stage(config, name, mesh_shape, topo, log, memo=memo, cost=cost)
         if not result.fits and remedies:
             result.remedy = "no single change tried makes it fit"
             over = result.peak / (0.9 * topo.chip.hbm)
@@ -191,7 +198,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
                 log(f"  {name} does not fit ({result.peak / GiB:.1f} GiB): trying {description}")
                 try:
                     retry = plan_stage(pipeline_config(parse_pipeline_config(changed)), name, changed_mesh, topo, log,
-                                       cost=False, memo=memo)  # whether it fits: memory only
+                                       cost=None, memo=memo)  # whether it fits: memory only
                 except (ConfigError, MeshError) as err:
                     log(f"    not possible: {err}")
                     continue
@@ -259,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-remedies", action="store_true", help="do not re-plan a stage that does not fit")
     parser.add_argument("--attention", choices=["dense", "blocked", "shard_map", "splash"], default=None,
                         help="both models' attention (default: the preset's); splash is TPU's kernel")
+    parser.add_argument("--cost", choices=["layers", "unrolled"], default="layers",
+                        help="XLA's counts from the models cut to 1 and 2 unrolled layers (default), or from every "
+                             "layer unrolled (the same counts, far slower to compile)")
     parser.add_argument("--json", default=None, help="also write the plan as JSON here")
     args = parser.parse_args(argv)
     path = Path(args.preset)
@@ -269,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         result = plan(data, args.topology, name=path.name, stage=args.stage, num_slices=args.num_slices,
-                      mesh=args.mesh, remedies=not args.no_remedies, attention=args.attention,
+                      mesh=args.mesh, remedies=not args.no_remedies, attention=args.attention, cost=args.cost,
                       log=lambda line: print(line, file=sys.stderr, flush=True))
     except (TopologyError, ConfigError, MeshError) as err:
         print(f"plan: {err}", file=sys.stderr)
