@@ -75,6 +75,9 @@ def table(results: dict[str, dict]) -> str:
                 bound = "≥ " if step["seconds_from"] == "roofline" else ""
                 timing = f"{bound}{step['seconds']:.2f} s, {100 * mfu:.0f}%"
             verdict = "yes" if stage["fits"] else f"no: {stage['remedy']}"
+            if stage.get("planned_with"):
+                verdict += f" (with {stage['planned_with'].split(' (as configured')[0]}: the preset's rows per " \
+                           "microbatch do not split over this slice's data-parallel chips)"
             command = f"`make plan PRESET={preset} TOPOLOGY={topology} PLAN_ARGS=\"--mesh {TOPOLOGIES[topology]}\"`"
             lines.append(f"| {preset} | {topology} ({result['chips']} chips, {result['hosts']} host"
                          f"{'s' if result['hosts'] > 1 else ''}) | {stage['stage']} | {stage['peak'] / GiB:.1f} | "

@@ -151,3 +151,17 @@ def test_costs_from_one_and_two_layers_equal_every_layer_unrolled(tmp_path):
     assert len(ratios) == 4, ratios  # teacher forward, train step, streamed accumulate and apply
     # XLA fuses the cut models' few layers a little differently: within 3% on these tiny models.
     assert all(abs(r - 1) <= 0.03 for rs in ratios.values() for r in rs), ratios
+
+
+def test_a_batch_the_slice_cannot_split_is_planned_with_fewer_microbatches(tmp_path):
+    """OPD's 8 prompts in 4 microbatches are 2 rows each, which 4 data-parallel chips cannot
+    split: the stage is planned with 2 microbatches, and says so."""
+    preset = tmp_path / "split.toml"
+    preset.write_text(SMOKE.read_text().replace("[opd]\n", "[opd]\nmicrobatches = 4\n"))
+    done, plan = _plan(tmp_path, preset, "--topology", "v5e:2x2", "--mesh", "data=4", "--stage", "opd",
+                       "--no-remedies")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert plan["preset"] == "split.toml"
+    opd = plan["stages"][0]
+    assert opd["fits"] and opd["planned_with"].startswith("[opd] microbatches = 2 (as configured: batch size = 2")
+    assert "planning it with [opd] microbatches = 2" in done.stderr and "planned with [opd]" in done.stdout

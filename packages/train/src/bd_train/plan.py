@@ -46,6 +46,7 @@ class StagePlan:
     programs: list[ProgramPlan]
     hbm: int
     remedy: str | None = None  # for a stage that does not fit: the first single change that fits
+    planned_with: str | None = None  # a stage whose batch the mesh cannot split: the change it was planned with
 
     @property
     def peak(self) -> int:
@@ -71,6 +72,7 @@ class Plan:
         return {"preset": self.preset, "topology": self.topology, "mesh": self.mesh, "chips": self.chips,
                 "hosts": self.hosts, "hbm": self.hbm, "peak_flops": self.peak_flops,
                 "stages": [{"stage": s.stage, "fits": s.fits, "peak": s.peak, "remedy": s.remedy,
+                            "planned_with": s.planned_with,
                             "programs": [{**dataclasses.asdict(p), "peak": p.peak} for p in s.programs]}
                            for s in self.stages]}
 
@@ -170,6 +172,23 @@ def _remedies(config: dict, stage: str, mesh: dict[str, int], over: float) -> li
     return out
 
 
+def _layout_remedy(config: dict, stage: str, mesh: dict[str, int]) -> tuple[str, dict] | None:
+    """For a stage whose rows per microbatch do not divide the data-parallel axes: the largest
+    microbatch count below the configured one that splits them, as (description, changed data)."""
+    name = "sft" if stage.startswith("sft-") else stage
+    section = config.get(name, {})
+    defaults = {"sft": (128, 1), "opd": (64, 1), "grpo": (16, 8)}[name]
+    rows = section.get("batch_size" if name == "sft" else "prompts_per_step", defaults[0])
+    rows *= section.get("group_size", defaults[1]) if name == "grpo" else 1
+    k, shards = section.get("microbatches", 1), mesh["data"] * mesh["fsdp"]
+    valid = [m for m in range(1, k) if rows % m == 0 and (rows // m) % shards == 0]
+    if not valid:
+        return None
+    changed = json.loads(json.dumps(config))
+    changed.setdefault(name, {})["microbatches"] = valid[-1]
+    return f"[{name}] microbatches = {valid[-1]}", changed
+
+
 def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "all", num_slices: int = 1,
          mesh: dict[str, int] | None = None, remedies: bool = True, attention: str | None = None,
          log: Callable[[str], None] = lambda _: None, memo: dict[str, dict] | None = None,
@@ -189,16 +208,27 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
     log(f"{topo.describe()}; mesh {mesh_shape}")
     stages = []
     memo = ({} if memo is None else memo).setdefault(f"{topology_name} x {num_slices}", {})
-    for name in _stage_names(config, stage):
-        result = plan_stage(config, name, mesh_shape, topo, log, memo=memo, cost=cost)
+    for stage_name in _stage_names(config, stage):
+        stage_data = data
+        try:
+            result = plan_stage(config, stage_name, mesh_shape, topo, log, memo=memo, cost=cost)
+        except MeshError as err:  # e.g. a preset's microbatches made for fewer data-parallel chips
+            layout = _layout_remedy(data, stage_name, mesh_shape)
+            if layout is None:
+                raise
+            description, stage_data = layout
+            log(f"  {stage_name}: {err}; planning it with {description}")
+            result = plan_stage(pipeline_config(parse_pipeline_config(stage_data)), stage_name, mesh_shape, topo, log,
+                                memo=memo, cost=cost)
+            result.planned_with = f"{description} (as configured: {err})"
         if not result.fits and remedies:
             result.remedy = "no single change tried makes it fit"
             over = result.peak / (0.9 * topo.chip.hbm)
-            for description, changed, changed_mesh in _remedies(data, name, mesh_shape, over):
-                log(f"  {name} does not fit ({result.peak / GiB:.1f} GiB): trying {description}")
+            for description, changed, changed_mesh in _remedies(stage_data, stage_name, mesh_shape, over):
+                log(f"  {stage_name} does not fit ({result.peak / GiB:.1f} GiB): trying {description}")
                 try:
-                    retry = plan_stage(pipeline_config(parse_pipeline_config(changed)), name, changed_mesh, topo, log,
-                                       cost=None, memo=memo)  # whether it fits: memory only
+                    retry = plan_stage(pipeline_config(parse_pipeline_config(changed)), stage_name, changed_mesh, topo,
+                                       log, cost=None, memo=memo)  # whether it fits: memory only
                 except (ConfigError, MeshError) as err:
                     log(f"    not possible: {err}")
                     continue
@@ -232,6 +262,8 @@ def format_plan(result: Plan) -> str:
             if p.refused:
                 lines.append(f"{stage.stage}: {p.program}: the TPU compiler refuses it: {p.refused}")
         verdict = "fits" if stage.fits else f"DOES NOT FIT: {stage.remedy}"
+        if stage.planned_with:
+            verdict += f"; planned with {stage.planned_with}"
         lines.append(f"{stage.stage}: peak {gib(stage.peak)} GiB of {result.hbm / GiB:.0f} GiB per chip: {verdict}")
     lines.append("\nBytes and FLOPs are XLA's for the compiled TPU programs (a sampler's FLOPs: one pass of its "
                  "loops); est. s is XLA's cost model where it gives one, else (marked >=) the roofline bound "
