@@ -136,6 +136,19 @@ def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topolo
     return StagePlan(stage, programs, topo.chip.hbm)
 
 
+def _microbatch_counts(config: dict, stage: str, mesh: dict[str, int]) -> tuple[str, int, list[int]]:
+    """The stage's section, its configured microbatch count, and every count that splits its rows
+    into microbatches whose rows the data-parallel chips divide."""
+    name = "sft" if stage.startswith("sft-") else stage
+    section = config.get(name, {})
+    defaults = {"sft": (128, 1), "opd": (64, 1), "grpo": (16, 8)}[name]
+    rows = section.get("batch_size" if name == "sft" else "prompts_per_step", defaults[0])
+    rows *= section.get("group_size", defaults[1]) if name == "grpo" else 1
+    shards = mesh["data"] * mesh["fsdp"]
+    return name, section.get("microbatches", 1), [m for m in range(1, rows + 1)
+                                                  if rows % m == 0 and (rows // m) % shards == 0]
+
+
 def _remedies(config: dict, stage: str, mesh: dict[str, int], over: float) -> list[tuple[str, dict, dict[str, int]]]:
     """Single changes that cut a stage's memory, as (description, changed config data, mesh), for
     a stage `over` times too large: more microbatches (the smallest count that might fit, then
@@ -148,13 +161,8 @@ def _remedies(config: dict, stage: str, mesh: dict[str, int], over: float) -> li
         data.setdefault(section, {}).update(values)
         return data
 
-    name = "sft" if stage.startswith("sft-") else stage
-    section = config.get(name, {})
-    defaults = {"sft": (128, 1), "opd": (64, 1), "grpo": (16, 8)}[name]
-    rows = section.get("batch_size" if name == "sft" else "prompts_per_step", defaults[0])
-    rows *= section.get("group_size", defaults[1]) if name == "grpo" else 1
-    k, shards = section.get("microbatches", 1), mesh["data"] * mesh["fsdp"]
-    valid = [m for m in range(k + 1, rows + 1) if rows % m == 0 and (rows // m) % shards == 0]
+    name, k, counts = _microbatch_counts(config, stage, mesh)
+    valid = [m for m in counts if m > k]
     first = next((m for m in valid if m >= k * over), valid[-1] if valid else None)
     for more in [m for m in valid if m >= (first or 0)][:2]:
         out.append((f"[{name}] microbatches = {more}", changed(name, microbatches=more), mesh))
@@ -175,13 +183,8 @@ def _remedies(config: dict, stage: str, mesh: dict[str, int], over: float) -> li
 def _layout_remedy(config: dict, stage: str, mesh: dict[str, int]) -> tuple[str, dict] | None:
     """For a stage whose rows per microbatch do not divide the data-parallel axes: the largest
     microbatch count below the configured one that splits them, as (description, changed data)."""
-    name = "sft" if stage.startswith("sft-") else stage
-    section = config.get(name, {})
-    defaults = {"sft": (128, 1), "opd": (64, 1), "grpo": (16, 8)}[name]
-    rows = section.get("batch_size" if name == "sft" else "prompts_per_step", defaults[0])
-    rows *= section.get("group_size", defaults[1]) if name == "grpo" else 1
-    k, shards = section.get("microbatches", 1), mesh["data"] * mesh["fsdp"]
-    valid = [m for m in range(1, k) if rows % m == 0 and (rows // m) % shards == 0]
+    name, k, counts = _microbatch_counts(config, stage, mesh)
+    valid = [m for m in counts if m < k]
     if not valid:
         return None
     changed = json.loads(json.dumps(config))
