@@ -132,16 +132,16 @@ def test_unknown_topologies_and_meshes_are_refused_by_name(tmp_path):
 
 
 def test_costs_from_one_and_two_layers_equal_every_layer_unrolled(tmp_path):
-    """The default cost (XLA's counts for the models cut to 1 and 2 unrolled layers, extended to
-    L) against every layer unrolled, for OPD's programs of 3-layer models: the train steps, the
+    """`--cost layers` (XLA's counts for the models cut to 1 and 2 unrolled layers, extended to L)
+    against every layer unrolled (the default), for OPD's programs of 3-layer models: the train steps, the
     streamed steps and the teacher's forward."""
     preset = tmp_path / "deep.toml"
     preset.write_text(SMOKE.read_text().replace("n_layers = 1", "n_layers = 3")
                       .replace("[opd]\n", "[opd]\nmicrobatches = 2\n"))
     common = ("--topology", "v5e:2x2", "--mesh", "fsdp=2,model=2", "--stage", "opd", "--no-remedies")
-    done, layers = _plan(tmp_path, preset, *common)
+    done, layers = _plan(tmp_path, preset, *common, "--cost", "layers")
     assert done.returncode == 0, done.stderr[-3000:]
-    done, unrolled = _plan(tmp_path, preset, *common, "--cost", "unrolled")
+    done, unrolled = _plan(tmp_path, preset, *common)
     assert done.returncode == 0, done.stderr[-3000:]
     ratios = {}
     for got, want in zip(layers["stages"][0]["programs"], unrolled["stages"][0]["programs"], strict=True):
