@@ -13,7 +13,6 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -70,8 +69,7 @@ class ProgramPlan:
 @dataclasses.dataclass
 class _Program:
     """A lowered program; `cost` (with its multiplicity) is the same computation with the layers
-    unrolled, lowered only for XLA's cost analysis, which counts a loop body once; `layers` is the
-    layer count of the model it runs (0 for the samplers, which carry no cost twin)."""
+    unrolled, lowered only for XLA's cost analysis, which counts a loop body once."""
 
     stage: str
     program: str
@@ -81,7 +79,6 @@ class _Program:
     model_flops: float | None = None
     cost: tuple[Any, int] | None = None
     kernel_flops: float = 0.0
-    layers: int = 0
 
 
 def splash_flops(config: ModelConfig, tokens: tuple[int, int], passes: int, chips: int) -> float:
@@ -111,7 +108,7 @@ def _train_programs(stage: str, trainer: Trainer, make: Callable[[], Any], batch
         costed = (one.lower(state, place_batch(micro, mesh)), microbatches) if cost else None
     kernel = splash_flops(model_config, tokens, 3, mesh.size)
     out = [_Program(stage, "train step", trainer.lower(state, place_batch(batch, mesh)), params, optimizer, flops,
-                    costed, kernel, model_config.n_layers)]
+                    costed, kernel)]
     if microbatches > 1:
         streaming = Trainer(trainer.loss_fn, trainer.optimizer, TrainerConfig(streaming=True))
         like = jax.eval_shape(lambda: as_loss_output(streaming.loss_fn(
@@ -124,7 +121,7 @@ def _train_programs(stage: str, trainer: Trainer, make: Callable[[], Any], batch
             with unroll_layers():
                 costed = (streaming.lower(state, place_batch(micro, mesh), is_update_step=update), 1) if cost else None
             out.append(_Program(stage, name, lowered, params, optimizer, flops / microbatches, costed,
-                                kernel / microbatches, model_config.n_layers))
+                                kernel / microbatches))
     return out
 
 
@@ -183,7 +180,7 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: bool 
         with unroll_layers():
             costed = (lower(forward, placed, layout), 1) if cost else None
         programs.append(_Program(stage, "teacher forward", lower(forward, placed, layout), bytes_per_chip(placed),
-                                 cost=costed, layers=run.model_config("teacher").n_layers,
+                                 cost=costed,
                                  kernel_flops=splash_flops(run.model_config("teacher"), (rows, length), 1, mesh.size)))
         loss = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
                                        positions=section.positions, mask_id=run.tokenizer.mask_id))
@@ -198,7 +195,7 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: bool 
             with unroll_layers():
                 costed = (lower(score, placed, place_batch(replay, mesh)), 1) if cost else None
             programs.append(_Program(stage, "reference scoring", lower(score, placed, place_batch(replay, mesh)),
-                                     bytes_per_chip(placed), cost=costed, layers=student.n_layers,
+                                     bytes_per_chip(placed), cost=costed,
                                      kernel_flops=splash_flops(student, (rows, length), 1, mesh.size)))
         loss = make_grpo_loss(grpo_config(run), distribution_score(distribution))
         batch = GRPOBatch(replay, sds((rows, length), jnp.float32), sds((rows,), jnp.float32), ref)
@@ -259,47 +256,25 @@ def _figures(lowered: Any, memo: dict[str, _Figures] | None) -> _Figures:
     return figures
 
 
-def _counted(cost: tuple[Any, int], memo: dict[str, _Figures] | None) -> np.ndarray:
-    """XLA's (FLOPs, bytes accessed, estimated seconds) of a cost twin, times its multiplicity
-    (seconds negative where the cost model gives none)."""
-    lowered, times = cost
-    figures = _figures(lowered, memo).cost
-    seconds = float(figures.get("optimal_seconds", -1.0))
-    return np.array([times * float(figures.get("flops", 0.0)), times * float(figures.get("bytes accessed", 0.0)),
-                     times * seconds if seconds > 0 else -1.0])
-
-
-def compile_program(program: _Program, chip: Any, memo: dict[str, _Figures] | None = None,
-                    twins: tuple[_Program, _Program] | None = None) -> ProgramPlan:
+def compile_program(program: _Program, chip: Any, memo: dict[str, _Figures] | None = None) -> ProgramPlan:
     """Compile for memory (the program as it runs) and for cost (`program.cost`: XLA counts a
     loop body once, so the sampler's figures are one pass of its loops and carry no time). The
     time is XLA's estimate where its TPU cost model gives one, else the roofline bound from its
     FLOPs and bytes accessed against the chip's peak and HBM bandwidth. Splash's kernels are opaque
     to XLA's cost analysis: their FLOPs (`kernel_flops`, an upper bound) are added to its count and
     their time at the chip's peak to its estimate. `memo` (one per slice) keeps every program's
-    figures by its StableHLO, so a program that recurs is compiled once.
-
-    `twins`: the same program for the model cut to 1 and to 2 layers, whose cost twins (layers
-    unrolled: 1 and 2 of them) stand in for this program's: the layers are identical, so XLA's
-    counts for L layers are taken as c1 + (L - 1)(c2 - c1), at a fraction of the compile time of L
-    unrolled layers: within 3% of them on 3-layer smoke models (`packages/train/tests/test_plan.py`),
-    but XLA's TPU counts are not linear in the layers of SDAR-1.7B (9% low at 4 layers)."""
+    figures by its StableHLO, so a program that recurs is compiled once."""
     figures = _figures(program.lowered, memo)
     if figures.refused is not None:
         return _refused(program, figures.refused)
     seconds, source = None, ""
-    counted = None
-    if twins is not None and twins[0].cost is not None and twins[1].cost is not None:
-        one, two = _counted(twins[0].cost, memo), _counted(twins[1].cost, memo)
-        counted = one + (program.layers - 1) * (two - one)
-        if min(one[2], two[2]) <= 0:
-            counted[2] = -1.0
-    elif program.cost is not None:
-        counted = _counted(program.cost, memo)
-    if counted is not None:
-        flops, accessed = float(counted[0]) + program.kernel_flops, float(counted[1])
-        if counted[2] > 0:  # negative: the cost model has no estimate
-            seconds, source = float(counted[2]) + program.kernel_flops / chip.peak_flops, "xla"
+    if program.cost is not None:
+        lowered, times = program.cost
+        cost = _figures(lowered, memo).cost
+        flops = times * float(cost.get("flops", 0.0)) + program.kernel_flops
+        accessed = times * float(cost.get("bytes accessed", 0.0))
+        if cost.get("optimal_seconds", -1.0) > 0:  # negative: the cost model has no estimate
+            seconds, source = times * float(cost["optimal_seconds"]) + program.kernel_flops / chip.peak_flops, "xla"
         else:
             seconds, source = max(flops / chip.peak_flops, accessed / chip.hbm_bandwidth), "roofline"
     else:

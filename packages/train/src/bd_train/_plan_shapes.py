@@ -85,18 +85,10 @@ class SpecialIds:
     eos_id: int
 
 
-def shapes_run(config: Any, layers: int | None = None):
+def shapes_run(config: Any):
     """The preset's `Run` for shapes: with its configured tokenizer, or, when a pretrained folder
     holds config.json only (a plan before the weights are fetched), the vocabulary and special
-    ids of that config. `layers`: both models cut to that many layers (a plan's cost twins)."""
-    run = _run(config)
-    if layers is not None:
-        full = run.model_config
-        setattr(run, "model_config", lambda role: full(role).replace(n_layers=layers))  # noqa: B010
-    return run
-
-
-def _run(config: Any):
+    ids of that config."""
     from .stages._run import Run
 
     run = Run(config)

@@ -109,27 +109,21 @@ def _stage_names(config: Any, which: str) -> list[str]:
 
 
 def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topology,
-               log: Callable[[str], None] = lambda _: None, *, cost: str | None = "unrolled",
+               log: Callable[[str], None] = lambda _: None, *, cost: bool = True,
                memo: dict | None = None) -> StagePlan:
-    """Compile `stage`'s programs for `topo`; `memo` (one per slice) carries programs compiled
-    already, by their StableHLO, from stage to stage and remedy to remedy. `cost`: "unrolled" (XLA's
-    counts with every layer unrolled), "layers" (the models cut to 1 and 2 unrolled layers, extended
-    to all of them: minutes faster, but XLA's counts are not linear in the layers, 9% low at 4
-    layers of SDAR-1.7B) or None (memory only)."""
+    """Compile `stage`'s programs for `topo` (with `cost`, their unrolled cost twins too); `memo`
+    (one per slice) carries programs compiled already, by their StableHLO, from stage to stage and
+    remedy to remedy."""
     mesh = make_plan_mesh(mesh_shape, topo)
     run = shapes_run(config)
     programs = []
     with jax.set_mesh(mesh):  # as the stages run: `shard_map` and `splash` attention read it
         start = time.perf_counter()
-        lowered = stage_programs(run, stage, mesh, cost=cost == "unrolled")
-        twins: list[Any] = [None] * len(lowered)
-        if cost == "layers":
-            cut = [stage_programs(shapes_run(config, layers=n), stage, mesh, cost=True) for n in (1, 2)]
-            twins = list(zip(*cut, strict=True))
+        lowered = stage_programs(run, stage, mesh, cost=cost)
         log(f"  lowered {stage}'s {len(lowered)} programs in {time.perf_counter() - start:.0f} s")
-        for program, pair in zip(lowered, twins, strict=True):
+        for program in lowered:
             start, known = time.perf_counter(), len(memo) if memo is not None else -1
-            programs.append(compile_program(program, topo.chip, memo, pair))
+            programs.append(compile_program(program, topo.chip, memo))
             if memo is not None and len(memo) == known:
                 log(f"  {stage}: {program.program}: compiled before (the same StableHLO)")
             else:
@@ -195,8 +189,7 @@ def _layout_remedy(config: dict, stage: str, mesh: dict[str, int]) -> tuple[str,
 
 def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "all", num_slices: int = 1,
          mesh: dict[str, int] | None = None, remedies: bool = True, attention: str | None = None,
-         log: Callable[[str], None] = lambda _: None, memo: dict[str, dict] | None = None,
-         cost: str = "unrolled") -> Plan:
+         log: Callable[[str], None] = lambda _: None, memo: dict[str, dict] | None = None) -> Plan:
     """Compile every program of the preset `data` (its TOML as a dict) for `topology_name`;
     `attention` replaces both models' `[teacher]`/`[student] attention`. `memo`, kept across
     calls, lets plans of several presets share what they compiled for the same slice (the same
@@ -215,7 +208,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
     for stage_name in _stage_names(config, stage):
         stage_data = data
         try:
-            result = plan_stage(config, stage_name, mesh_shape, topo, log, memo=memo, cost=cost)
+            result = plan_stage(config, stage_name, mesh_shape, topo, log, memo=memo)
         except MeshError as err:  # e.g. a preset's microbatches made for fewer data-parallel chips
             layout = _layout_remedy(data, stage_name, mesh_shape)
             if layout is None:
@@ -223,7 +216,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
             description, stage_data = layout
             log(f"  {stage_name}: {err}; planning it with {description}")
             result = plan_stage(pipeline_config(parse_pipeline_config(stage_data)), stage_name, mesh_shape, topo, log,
-                                memo=memo, cost=cost)
+                                memo=memo)
             result.planned_with = f"{description} (as configured: {err})"
         if not result.fits and remedies:
             result.remedy = "no single change tried makes it fit"
@@ -232,7 +225,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
                 log(f"  {stage_name} does not fit ({result.peak / GiB:.1f} GiB): trying {description}")
                 try:
                     retry = plan_stage(pipeline_config(parse_pipeline_config(changed)), stage_name, changed_mesh, topo,
-                                       log, cost=None, memo=memo)  # whether it fits: memory only
+                                       log, cost=False, memo=memo)  # whether it fits: memory only
                 except (ConfigError, MeshError) as err:
                     log(f"    not possible: {err}")
                     continue
@@ -302,10 +295,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-remedies", action="store_true", help="do not re-plan a stage that does not fit")
     parser.add_argument("--attention", choices=["dense", "blocked", "shard_map", "splash"], default=None,
                         help="both models' attention (default: the preset's); splash is TPU's kernel")
-    parser.add_argument("--cost", choices=["unrolled", "layers"], default="unrolled",
-                        help="XLA's counts from every layer unrolled (default), or, far faster to compile, from the "
-                             "models cut to 1 and 2 unrolled layers (an approximation: 9%% low at 4 layers of "
-                             "SDAR-1.7B)")
     parser.add_argument("--json", default=None, help="also write the plan as JSON here")
     args = parser.parse_args(argv)
     path = Path(args.preset)
@@ -316,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         result = plan(data, args.topology, name=path.name, stage=args.stage, num_slices=args.num_slices,
-                      mesh=args.mesh, remedies=not args.no_remedies, attention=args.attention, cost=args.cost,
+                      mesh=args.mesh, remedies=not args.no_remedies, attention=args.attention,
                       log=lambda line: print(line, file=sys.stderr, flush=True))
     except (TopologyError, ConfigError, MeshError) as err:
         print(f"plan: {err}", file=sys.stderr)
