@@ -43,11 +43,12 @@ def machine() -> str:
             f"model {info.get('model', '?')}), {isa}, {malloc}")
 
 
-def write_section(name: str, body: str, markdown: Path = MARKDOWN) -> None:
+def write_section(name: str, body: str, markdown: Path = MARKDOWN, *, measured_on: str | None = None) -> None:
     """Replace this benchmark's section of `markdown` (BENCHMARKS.md unless given; appended if
-    missing), nothing else. The section ends with the machine it was measured on."""
+    missing), nothing else. The section ends with the machine it was measured on: this one unless
+    `measured_on` names another (an accelerator's results written here from its JSON)."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    section = f"{start}\n{body.strip()}\n\nMachine: {machine()}.\n{end}"
+    section = f"{start}\n{body.strip()}\n\nMachine: {measured_on or machine()}.\n{end}"
     text = markdown.read_text() if markdown.exists() else "# bdlm benchmarks\n"
     if start in text and end in text:
         text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: section, text, flags=re.S)

@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from _peak import matmul_timer
-from _report import write_results, write_section
+from _report import machine, write_results, write_section
 from sampling import timed
 from train_step import median_time, setup, sft_batch
 
@@ -92,7 +92,7 @@ def measure(size: str, steps: int) -> dict[str, float | str]:
     config, batch, canvas, peak_n = SIZES[size]
     device = jax.devices()[0]
     results: dict[str, float | str] = {"device": f"{device.platform}: {device.device_kind}", "size": size,
-                                       "batch": batch, "canvas": canvas}
+                                       "batch": batch, "canvas": canvas, "machine": machine(), "jax": jax.__version__}
     peak = bf16_peak(peak_n)
     results["bf16_peak_tflops"] = peak / 1e12
     flops = model_flops(config, sft_batch(config, batch, canvas)[0])["train_step"]
@@ -108,7 +108,8 @@ def measure(size: str, steps: int) -> dict[str, float | str]:
 def write_markdown(results: dict, markdown=None) -> None:
     config, batch, canvas, peak_n = SIZES[str(results["size"])]
     rows = [
-        f"Device: {results['device']}. Train step: d_model {config.d_model}, {config.n_layers} layers, "
+        f"Device: {results['device']}, jax {results.get('jax', '?')}. Train step: d_model {config.d_model}, "
+        f"{config.n_layers} layers, "
         f"{config.n_heads} query / {config.n_kv_heads} kv heads of {config.head_dim}, SwiGLU {config.d_ff}, vocab "
         f"{config.vocab_size:,} tied, block {config.block_size}, batch {batch} of the 2L layout of a {canvas}-token "
         f"canvas (T = {2 * canvas}), float32 master weights and AdamW, bfloat16 compute, remat `{config.remat}`; "
@@ -130,6 +131,7 @@ def write_markdown(results: dict, markdown=None) -> None:
           f"{results[f'attention_{impl}_max_rel_error']:.1e} |" for impl in ("dense", "blocked", "pallas")),
     ]
     kwargs = {} if markdown is None else {"markdown": markdown}
+    kwargs["measured_on"] = str(results.get("machine") or "") or None
     write_section("accelerator", "## Accelerator: bf16 MFU and Pallas attention (`bench/accelerator.py`)\n\n"
                   + "\n".join(rows), **kwargs)
 

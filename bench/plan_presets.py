@@ -37,7 +37,7 @@ def run_one(preset: str, topology: str, mesh: str, **options) -> dict:
 
     data = tomllib.loads((ROOT / "flows" / "configs" / f"{preset}.toml").read_text())
     start = time.perf_counter()
-    result = plan(data, topology, name=f"{preset}.toml", mesh=_mesh_arg(mesh),
+    result = plan(data, topology, name=f"{preset}.toml", mesh=_mesh_arg(mesh), cost="train step",
                   log=lambda line: print(line, file=sys.stderr, flush=True), memo=MEMO, **options)
     return {**result.to_json(), "seconds": time.perf_counter() - start}
 

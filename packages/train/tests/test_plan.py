@@ -133,13 +133,17 @@ def test_unknown_topologies_and_meshes_are_refused_by_name(tmp_path):
 
 def test_a_batch_the_slice_cannot_split_is_planned_with_fewer_microbatches(tmp_path):
     """OPD's 8 prompts in 4 microbatches are 2 rows each, which 4 data-parallel chips cannot
-    split: the stage is planned with 2 microbatches, and says so."""
+    split: the stage is planned with 2 microbatches, and says so. `--cost "train step"` costs the
+    scanned train step alone: no other program gets an estimated time."""
     preset = tmp_path / "split.toml"
     preset.write_text(SMOKE.read_text().replace("[opd]\n", "[opd]\nmicrobatches = 4\n"))
     done, plan = _plan(tmp_path, preset, "--topology", "v5e:2x2", "--mesh", "data=4", "--stage", "opd",
-                       "--no-remedies")
+                       "--no-remedies", "--cost", "train step")
     assert done.returncode == 0, done.stderr[-3000:]
     assert plan["preset"] == "split.toml"
     opd = plan["stages"][0]
     assert opd["fits"] and opd["planned_with"].startswith("[opd] microbatches = 2 (as configured: batch size = 2")
     assert "planning it with [opd] microbatches = 2" in done.stderr and "planned with [opd]" in done.stdout
+    programs = {p["program"]: p for p in opd["programs"]}
+    assert {"teacher forward", "streamed step: accumulate", "streamed step: apply"} <= set(programs)
+    assert {name for name, p in programs.items() if p["seconds"]} == {"train step"}

@@ -21,6 +21,7 @@ from bd_models import (
     ModelConfig,
     SamplerConfig,
     check_divisibility,
+    has_adapters,
     lower,
     lower_sample,
     model_flops,
@@ -35,6 +36,8 @@ from ._plan_shapes import bytes_per_chip, diffusion_batch, model_maker, place_ba
 from ._replay import replay_capacity
 from ._sft import sft_objective
 from ._trainer import Trainer, TrainerConfig, TrainState
+
+COSTS = ("all", "train step", "none")  # which programs a plan costs (`stage_programs`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,19 +96,22 @@ def splash_flops(config: ModelConfig, tokens: tuple[int, int], passes: int, chip
 
 def _train_programs(stage: str, trainer: Trainer, make: Callable[[], Any], batch: Any, mesh: jax.sharding.Mesh,
                     model_config: ModelConfig, tokens: tuple[int, int], microbatches: int = 1,
-                    cost: bool = True) -> list[_Program]:
+                    cost: str = "all") -> list[_Program]:
     """The scanned train step, and with `microbatches` > 1 the streamed step's two programs;
-    `cost=False` skips the unrolled programs that only serve the cost estimate."""
+    `cost` (`COSTS`) says which of them get the unrolled twins that only serve the cost estimate."""
     abstract = eqx.filter_eval_shape(lambda: TrainState.init(make(), trainer.optimizer, key=jax.random.key(0)))
     state = place_state(abstract, abstract.model, mesh)
-    flops = 3 * model_flops(model_config, tokens)["matmul_forward"] / mesh.size
+    # The model's matmul FLOPs: forward, input gradients and weight gradients; with LoRA the frozen
+    # weights get no gradient (the adapters' own FLOPs, under 1%, are not counted).
+    passes = 2 if has_adapters(abstract.model) else 3
+    flops = passes * model_flops(model_config, tokens)["matmul_forward"] / mesh.size
     params, optimizer = bytes_per_chip(state.model), bytes_per_chip(state.opt_state)
     # For the cost: one microbatch's step with the layers unrolled (the microbatch scan and the
     # layer scan are loops whose bodies XLA's cost analysis counts once), times the microbatches.
     micro = jax.tree.map(lambda x: sds((x.shape[0] // microbatches, *x.shape[1:]), x.dtype), batch)
     one = Trainer(trainer.loss_fn, trainer.optimizer)
     with unroll_layers():
-        costed = (one.lower(state, place_batch(micro, mesh)), microbatches) if cost else None
+        costed = (one.lower(state, place_batch(micro, mesh)), microbatches) if cost != "none" else None
     kernel = splash_flops(model_config, tokens, 3, mesh.size)
     out = [_Program(stage, "train step", trainer.lower(state, place_batch(batch, mesh)), params, optimizer, flops,
                     costed, kernel)]
@@ -119,7 +125,8 @@ def _train_programs(stage: str, trainer: Trainer, make: Callable[[], Any], batch
         for update, name in ((False, "streamed step: accumulate"), (True, "streamed step: apply")):
             lowered = streaming.lower(state, place_batch(micro, mesh), is_update_step=update)
             with unroll_layers():
-                costed = (streaming.lower(state, place_batch(micro, mesh), is_update_step=update), 1) if cost else None
+                costed = ((streaming.lower(state, place_batch(micro, mesh), is_update_step=update), 1)
+                          if cost == "all" else None)
             out.append(_Program(stage, name, lowered, params, optimizer, flops / microbatches, costed,
                                 kernel / microbatches))
     return out
@@ -139,9 +146,13 @@ def _rows(rows: int, mesh: jax.sharding.Mesh) -> int:
     return -(-rows // shards) * shards
 
 
-def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: bool = True) -> list[_Program]:
+def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str = "all") -> list[_Program]:
     """Every program `stage` ("sft-teacher", "sft-student", "opd" or "grpo") of `run` (a
-    `shapes_run`) compiles (and, with `cost`, the unrolled twins its cost estimates come from)."""
+    `shapes_run`) compiles, and the unrolled twins its cost estimates come from: for every program
+    but the samplers' with `cost="all"`, the scanned train step's alone with `"train step"`, none
+    with `"none"`."""
+    if cost not in COSTS:
+        raise ValueError(f"cost={cost!r}: one of {', '.join(COSTS)}")
     from .stages._rollout import grpo_config
 
     cfg, canvas = run.config, run.config.canvas
@@ -178,7 +189,7 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: bool 
         placed, layout = place_state(teacher, teacher, mesh), place_batch(replay.layout, mesh)
         forward = lambda t, layout: t(layout)  # noqa: E731
         with unroll_layers():
-            costed = (lower(forward, placed, layout), 1) if cost else None
+            costed = (lower(forward, placed, layout), 1) if cost == "all" else None
         programs.append(_Program(stage, "teacher forward", lower(forward, placed, layout), bytes_per_chip(placed),
                                  cost=costed,
                                  kernel_flops=splash_flops(run.model_config("teacher"), (rows, length), 1, mesh.size)))
@@ -193,7 +204,7 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: bool 
             placed = place_state(reference, reference, mesh)
             score = lambda m, b: token_logprobs(m, b, distribution)[0]  # noqa: E731
             with unroll_layers():
-                costed = (lower(score, placed, place_batch(replay, mesh)), 1) if cost else None
+                costed = (lower(score, placed, place_batch(replay, mesh)), 1) if cost == "all" else None
             programs.append(_Program(stage, "reference scoring", lower(score, placed, place_batch(replay, mesh)),
                                      bytes_per_chip(placed), cost=costed,
                                      kernel_flops=splash_flops(student, (rows, length), 1, mesh.size)))

@@ -33,7 +33,7 @@ import numpy as np
 from bd_core import ConfigError
 from bd_models import MeshError
 
-from ._plan_programs import ProgramPlan, compile_program, stage_programs
+from ._plan_programs import COSTS, ProgramPlan, compile_program, stage_programs
 from ._plan_shapes import shapes_run
 from ._tpu import GiB, Topology, TopologyError, topology
 
@@ -109,9 +109,9 @@ def _stage_names(config: Any, which: str) -> list[str]:
 
 
 def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topology,
-               log: Callable[[str], None] = lambda _: None, *, cost: bool = True,
+               log: Callable[[str], None] = lambda _: None, *, cost: str = "all",
                memo: dict | None = None) -> StagePlan:
-    """Compile `stage`'s programs for `topo` (with `cost`, their unrolled cost twins too); `memo`
+    """Compile `stage`'s programs for `topo` (and the unrolled cost twins `cost` names); `memo`
     (one per slice) carries programs compiled already, by their StableHLO, from stage to stage and
     remedy to remedy."""
     mesh = make_plan_mesh(mesh_shape, topo)
@@ -189,9 +189,12 @@ def _layout_remedy(config: dict, stage: str, mesh: dict[str, int]) -> tuple[str,
 
 def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "all", num_slices: int = 1,
          mesh: dict[str, int] | None = None, remedies: bool = True, attention: str | None = None,
-         log: Callable[[str], None] = lambda _: None, memo: dict[str, dict] | None = None) -> Plan:
+         log: Callable[[str], None] = lambda _: None, memo: dict[str, dict] | None = None,
+         cost: str = "all") -> Plan:
     """Compile every program of the preset `data` (its TOML as a dict) for `topology_name`;
-    `attention` replaces both models' `[teacher]`/`[student] attention`. `memo`, kept across
+    `attention` replaces both models' `[teacher]`/`[student] attention`; `cost` says which programs
+    are costed (`COSTS`: "train step" skips the unrolled twins of every other program, the slow
+    part of a plan). `memo`, kept across
     calls, lets plans of several presets share what they compiled for the same slice (the same
     teacher, say)."""
     from .stages._config import parse_pipeline_config, pipeline_config
@@ -208,7 +211,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
     for stage_name in _stage_names(config, stage):
         stage_data = data
         try:
-            result = plan_stage(config, stage_name, mesh_shape, topo, log, memo=memo)
+            result = plan_stage(config, stage_name, mesh_shape, topo, log, memo=memo, cost=cost)
         except MeshError as err:  # e.g. a preset's microbatches made for fewer data-parallel chips
             layout = _layout_remedy(data, stage_name, mesh_shape)
             if layout is None:
@@ -216,7 +219,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
             description, stage_data = layout
             log(f"  {stage_name}: {err}; planning it with {description}")
             result = plan_stage(pipeline_config(parse_pipeline_config(stage_data)), stage_name, mesh_shape, topo, log,
-                                memo=memo)
+                                memo=memo, cost=cost)
             result.planned_with = f"{description} (as configured: {err})"
         if not result.fits and remedies:
             result.remedy = "no single change tried makes it fit"
@@ -225,7 +228,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
                 log(f"  {stage_name} does not fit ({result.peak / GiB:.1f} GiB): trying {description}")
                 try:
                     retry = plan_stage(pipeline_config(parse_pipeline_config(changed)), stage_name, changed_mesh, topo,
-                                       log, cost=False, memo=memo)  # whether it fits: memory only
+                                       log, cost="none", memo=memo)  # whether it fits: memory only
                 except (ConfigError, MeshError) as err:
                     log(f"    not possible: {err}")
                     continue
@@ -295,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-remedies", action="store_true", help="do not re-plan a stage that does not fit")
     parser.add_argument("--attention", choices=["dense", "blocked", "shard_map", "splash"], default=None,
                         help="both models' attention (default: the preset's); splash is TPU's kernel")
+    parser.add_argument("--cost", choices=COSTS, default="all",
+                        help="which programs get XLA's cost estimate (each needs a compile with every layer unrolled)")
     parser.add_argument("--json", default=None, help="also write the plan as JSON here")
     args = parser.parse_args(argv)
     path = Path(args.preset)
@@ -305,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         result = plan(data, args.topology, name=path.name, stage=args.stage, num_slices=args.num_slices,
-                      mesh=args.mesh, remedies=not args.no_remedies, attention=args.attention,
+                      mesh=args.mesh, remedies=not args.no_remedies, attention=args.attention, cost=args.cost,
                       log=lambda line: print(line, file=sys.stderr, flush=True))
     except (TopologyError, ConfigError, MeshError) as err:
         print(f"plan: {err}", file=sys.stderr)
