@@ -42,12 +42,38 @@ def run_one(preset: str, topology: str, mesh: str, **options) -> dict:
     return {**result.to_json(), "seconds": time.perf_counter() - start}
 
 
+def largest(preset: str, topology: str, stage: str) -> list:
+    """[setting, its largest value that fits] for one stage (`bd_train.plan.largest_batch`)."""
+    from bd_train.plan import _mesh_arg, largest_batch
+
+    data = tomllib.loads((ROOT / "flows" / "configs" / f"{preset}.toml").read_text())
+    return list(largest_batch(data, stage, topology, mesh=_mesh_arg(TOPOLOGIES[topology]), memo=MEMO,
+                              log=lambda line: print(line, file=sys.stderr, flush=True)))
+
+
+def configured_attention(preset: str) -> str:
+    from bd_models import ModelConfig
+
+    data = tomllib.loads((ROOT / "flows" / "configs" / f"{preset}.toml").read_text())
+    return data.get("student", {}).get("attention", ModelConfig.attention)
+
+
+def compared(results: dict[str, dict], attention: str) -> dict | None:
+    """The compared stage's plan with `attention`: its own, or for the preset's configured attention
+    the preset's plan on that slice (the same programs)."""
+    preset, topology, _ = COMPARE
+    own = results.get(f"{preset}@{topology}@{attention}")
+    if own is None and attention == configured_attention(preset):
+        return results.get(f"{preset}@{topology}")
+    return own
+
+
 def attention_table(results: dict[str, dict]) -> str:
     preset, topology, stage = COMPARE
     lines = [f"| attention | {stage} train step: peak GiB per chip | temporaries GiB | TFLOP per chip | est. s | "
              "est. MFU |", "|---|---|---|---|---|---|"]
     for attention in ATTENTIONS:
-        result = results.get(f"{preset}@{topology}@{attention}")
+        result = compared(results, attention)
         if result is None:
             continue
         stage_plan = next(s for s in result["stages"] if s["stage"] == stage)
@@ -63,8 +89,8 @@ def attention_table(results: dict[str, dict]) -> str:
 
 
 def table(results: dict[str, dict]) -> str:
-    lines = ["| preset | slice | stage | peak GiB per chip | fits | train step: est. s, est. MFU | command |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| preset | slice | stage | peak GiB per chip | fits | train step: est. s, est. MFU | largest batch that "
+             "fits | command |", "|---|---|---|---|---|---|---|---|"]
     for key, result in results.items():
         preset, topology = key.split("@")
         for stage in result["stages"]:
@@ -78,10 +104,12 @@ def table(results: dict[str, dict]) -> str:
             if stage.get("planned_with"):
                 verdict += f" (with {stage['planned_with'].split(' (as configured')[0]}: the preset's rows per " \
                            "microbatch do not split over this slice's data-parallel chips)"
+            setting, batch = stage.get("largest_batch") or (None, None)
+            largest_fit = "" if setting is None else f"{setting} = {batch}" if batch else "none"
             command = f"`make plan PRESET={preset} TOPOLOGY={topology} PLAN_ARGS=\"--mesh {TOPOLOGIES[topology]}\"`"
             lines.append(f"| {preset} | {topology} ({result['chips']} chips, {result['hosts']} host"
                          f"{'s' if result['hosts'] > 1 else ''}) | {stage['stage']} | {stage['peak'] / GiB:.1f} | "
-                         f"{verdict} | {timing} | {command} |")
+                         f"{verdict} | {timing} | {largest_fit} | {command} |")
     return "\n".join(lines)
 
 
@@ -92,6 +120,9 @@ def main() -> None:
     parser.add_argument("--attentions", nargs="*", default=list(ATTENTIONS),
                         help=f"compare these on {COMPARE[0]}'s {COMPARE[2]} stage on {COMPARE[1]}")
     parser.add_argument("--resume", action="store_true", help="keep the plans already in the results file")
+    parser.add_argument("--largest-batch", nargs="*", default=[], metavar="TOPOLOGY",
+                        help="find each stage's largest batch that fits on these slices, for the plans in the "
+                             "results file that lack it")
     parser.add_argument("--table", action="store_true", help="only write SCALING.md's table from the results file")
     args = parser.parse_args()
     path = results_path("plan_presets")
@@ -108,7 +139,7 @@ def main() -> None:
     preset, topology, stage = COMPARE
     for attention in args.attentions:
         key = f"{preset}@{topology}@{attention}"
-        if args.resume and key in results:
+        if args.resume and compared(results, attention) is not None:
             continue
         print(f"== {preset} on {topology}, {stage} with attention {attention}", file=sys.stderr, flush=True)
         keep(key, run_one(preset, topology, TOPOLOGIES[topology], stage=stage, attention=attention, remedies=False))
@@ -118,8 +149,18 @@ def main() -> None:
                 continue
             print(f"== {preset} on {topology}", file=sys.stderr, flush=True)
             keep(f"{preset}@{topology}", run_one(preset, topology, TOPOLOGIES[topology]))
+    for preset in args.only:
+        for topology in args.largest_batch:
+            key = f"{preset}@{topology}"
+            if key not in results or all("largest_batch" in stage for stage in results[key]["stages"]):
+                continue
+            print(f"== {preset} on {topology}: largest batches", file=sys.stderr, flush=True)
+            plan = results[key]
+            for stage in plan["stages"]:
+                stage["largest_batch"] = largest(preset, topology, stage["stage"])
+                keep(key, plan)
     results = json.loads(path.read_text()) if path.exists() else {}
-    compared = attention_table(results)
+    comparison = attention_table(results)
     results = {k: v for k, v in results.items() if k.count("@") == 1}
     ordered = {k: results[k] for k in sorted(results, key=lambda k: (PRESETS.index(k.split("@")[0]),
                                                                     list(TOPOLOGIES).index(k.split("@")[1])))}
@@ -135,7 +176,7 @@ def main() -> None:
                   f"implementation (`--attention`): {COMPARE[0]}'s {COMPARE[2]} stage on {COMPARE[1]}, mesh "
                   f"{TOPOLOGIES[COMPARE[1]]}. `splash` is TPU's splash kernels with each row's block-diffusion mask; "
                   "XLA's cost analysis cannot see into its kernels, so their FLOPs are added as dense attention's "
-                  "(every query-key pair: an upper bound) and its time at the chip's peak.\n\n" + compared,
+                  "(every query-key pair: an upper bound) and its time at the chip's peak.\n\n" + comparison,
                   markdown=ROOT / "SCALING.md")
 
 

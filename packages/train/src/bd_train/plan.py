@@ -2,7 +2,7 @@
 devices and compiled for TPU from this host, which need not have one (libtpu's compiler only).
 
     python -m bd_train.plan flows/configs/sdar_8b.toml --topology v5p:2x2x2 [--stage all] [--num-slices 1]
-        [--mesh data=1,fsdp=8,model=1] [--json plan.json]
+        [--mesh data=1,fsdp=8,model=1] [--cost all|"train step"|none] [--largest-batch] [--json plan.json]
 
 Per stage (SFT of each role, OPD, GRPO) it compiles the train step (and, with `microbatches` > 1,
 the streamed step's two programs), the sampler's programs (rollouts, held-out decoding), the
@@ -11,7 +11,8 @@ parameter, optimizer-state, argument, temporary and generated-code bytes against
 the compiler's FLOPs and estimated seconds (its cost model, not a timing) and from them the
 estimated MFU (model matmul FLOPs over the chip's bf16 peak). A stage that does not fit is
 re-planned with single changes — remat `full`, more microbatches, `fsdp` over the data axis,
-LoRA — and the first that fits is named. No weights, data or tokenizer files are read: model
+LoRA — and the first that fits is named; `--largest-batch` also finds each stage's largest batch
+per step that fits. No weights, data or tokenizer files are read: model
 shapes come from the preset (or a pretrained folder's config.json), data shapes from the canvas.
 """
 
@@ -199,8 +200,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
     teacher, say)."""
     from .stages._config import parse_pipeline_config, pipeline_config
 
-    if attention is not None:
-        data = {**data, **{role: {**data.get(role, {}), "attention": attention} for role in ("teacher", "student")}}
+    data = _with_attention(data, attention)
 
     topo = topology(topology_name, num_slices=num_slices)
     config = pipeline_config(parse_pipeline_config(data))
@@ -241,6 +241,61 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
                 mesh_shape, topo.chips, topo.hosts * num_slices, topo.chip.hbm, topo.chip.peak_flops, stages)
 
 
+def _with_attention(data: dict, attention: str | None) -> dict:
+    if attention is None:
+        return data
+    return {**data, **{role: {**data.get(role, {}), "attention": attention} for role in ("teacher", "student")}}
+
+
+def largest_batch(data: dict, stage: str, topology_name: str, *, mesh: dict[str, int] | None = None,
+                  num_slices: int = 1, memo: dict[str, dict] | None = None, doublings: int = 4,
+                  log: Callable[[str], None] = lambda _: None) -> tuple[str, int | None]:
+    """The largest batch per step of `stage` (`[sft] batch_size`, or `prompts_per_step` for OPD and
+    GRPO) that fits the slice at the preset's microbatch count, among the configured batch times
+    2^k (k up to `doublings`, down to the batch whose microbatches hold one row per data-parallel
+    chip): every program of the stage compiled for memory at each size tried, doubling while it
+    fits, halving while it does not. Returns (the setting, its largest fitting value or None)."""
+    from .stages._config import parse_pipeline_config, pipeline_config
+
+    topo = topology(topology_name, num_slices=num_slices)
+    config = pipeline_config(parse_pipeline_config(data))
+    mesh_shape = mesh or {"data": config.mesh.data, "fsdp": config.mesh.fsdp, "model": config.mesh.model}
+    memo = ({} if memo is None else memo).setdefault(f"{topology_name} x {num_slices}", {})
+    name, microbatches, _ = _microbatch_counts(data, stage, mesh_shape)
+    key = "batch_size" if name == "sft" else "prompts_per_step"
+    configured = getattr(getattr(config, name), key)
+    per_row = microbatches * mesh_shape["data"] * mesh_shape["fsdp"]  # rows of a step per row of a chip
+    group = config.grpo.group_size if name == "grpo" else 1
+
+    def fits(batch: int) -> bool:
+        if (batch * group) % per_row:
+            return False
+        changed = json.loads(json.dumps(data))
+        changed.setdefault(name, {})[key] = batch
+        try:
+            result = plan_stage(pipeline_config(parse_pipeline_config(changed)), stage, mesh_shape, topo, log,
+                                cost="none", memo=memo)
+        except (ConfigError, MeshError):
+            return False
+        log(f"  {stage} with [{name}] {key} = {batch}: peak {result.peak / GiB:.3f} GiB per chip")
+        return result.fits
+
+    sizes = [configured * 2**k for k in range(1, doublings + 1)]
+    if fits(configured):
+        best = configured
+        for batch in sizes:
+            if not fits(batch):
+                break
+            best = batch
+        return f"[{name}] {key}", best
+    batch = configured // 2
+    while batch * group >= per_row:
+        if fits(batch):
+            return f"[{name}] {key}", batch
+        batch //= 2
+    return f"[{name}] {key}", None
+
+
 def format_plan(result: Plan) -> str:
     def gib(n: float) -> str:
         return f"{n / GiB:.2f}"
@@ -268,7 +323,8 @@ def format_plan(result: Plan) -> str:
     lines.append("\nBytes and FLOPs are XLA's for the compiled TPU programs (a sampler's FLOPs: one pass of its "
                  "loops); est. s is XLA's cost model where it gives one, else (marked >=) the roofline bound "
                  "max(FLOPs / peak, bytes accessed / HBM bandwidth): estimates, not timings. est. MFU = the model's "
-                 "matmul FLOPs per chip (3x forward) / (est. s x peak).")
+                 "matmul FLOPs per chip (3x forward; 2x with LoRA, whose frozen weights get no gradient) / "
+                 "(est. s x peak).")
     return "\n".join(lines)
 
 
@@ -300,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="both models' attention (default: the preset's); splash is TPU's kernel")
     parser.add_argument("--cost", choices=COSTS, default="all",
                         help="which programs get XLA's cost estimate (each needs a compile with every layer unrolled)")
+    parser.add_argument("--largest-batch", action="store_true",
+                        help="also find each stage's largest batch per step that fits (more compiles)")
     parser.add_argument("--json", default=None, help="also write the plan as JSON here")
     args = parser.parse_args(argv)
     path = Path(args.preset)
@@ -309,15 +367,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan: cannot read the preset {path}: {err}", file=sys.stderr)
         return 2
     try:
+        memo: dict[str, dict] = {}
         result = plan(data, args.topology, name=path.name, stage=args.stage, num_slices=args.num_slices,
                       mesh=args.mesh, remedies=not args.no_remedies, attention=args.attention, cost=args.cost,
-                      log=lambda line: print(line, file=sys.stderr, flush=True))
+                      log=lambda line: print(line, file=sys.stderr, flush=True), memo=memo)
     except (TopologyError, ConfigError, MeshError) as err:
         print(f"plan: {err}", file=sys.stderr)
         return 2
     print(format_plan(result))
+    out = result.to_json()
+    if args.largest_batch:
+        for stage in out["stages"]:
+            setting, batch = largest_batch(_with_attention(data, args.attention), stage["stage"], args.topology,
+                                           mesh=args.mesh,
+                                           num_slices=args.num_slices, memo=memo,
+                                           log=lambda line: print(line, file=sys.stderr, flush=True))
+            stage["largest_batch"] = [setting, batch]
+            print(f"{stage['stage']}: largest {setting} that fits at the configured microbatches: "
+                  + (f"{batch} (of the configured value times powers of two)" if batch else
+                     "none (down to one row per data-parallel chip per microbatch)"))
     if args.json:
-        Path(args.json).write_text(json.dumps(result.to_json(), indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0 if all(s.fits for s in result.stages) else 1
 
 
