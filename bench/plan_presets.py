@@ -137,9 +137,10 @@ def main() -> None:
     if args.table:
         args.attentions, args.only = [], []
     preset, topology, stage = COMPARE
-    for attention in args.attentions:
+    # The configured attention last: the preset's own plan on that slice, if made meanwhile, stands for it.
+    for attention in sorted(args.attentions, key=lambda a: a == configured_attention(preset)):
         key = f"{preset}@{topology}@{attention}"
-        if args.resume and compared(results, attention) is not None:
+        if args.resume and compared(json.loads(path.read_text()) if path.exists() else {}, attention) is not None:
             continue
         print(f"== {preset} on {topology}, {stage} with attention {attention}", file=sys.stderr, flush=True)
         keep(key, run_one(preset, topology, TOPOLOGIES[topology], stage=stage, attention=attention, remedies=False))
