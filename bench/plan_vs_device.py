@@ -59,19 +59,17 @@ def measure(preset: str, stage: str, program: str, runs: int, attention: str | N
     import jax
     from accelerator import bf16_peak
 
-    from bd_models import make_mesh
-    from bd_train._plan_programs import stage_programs
-    from bd_train._plan_shapes import shapes_run
-    from bd_train.stages._config import parse_pipeline_config, pipeline_config
+    from bd_models import ModelConfig, make_mesh
+    from bd_train.plan import stage_lowered
 
     data = tomllib.loads((ROOT / "flows" / "configs" / f"{preset}.toml").read_text())
     for role in ("teacher", "student") if attention else ():
         data.setdefault(role, {})["attention"] = attention
-    config = pipeline_config(parse_pipeline_config(data))
+    role = "teacher" if stage == "sft-teacher" else "student"
     device = jax.devices()[0]
     mesh = make_mesh(1, 1, 1, devices=[device])
     with jax.set_mesh(mesh):
-        found = [p for p in stage_programs(shapes_run(config), stage, mesh, cost="none") if p.program == program]
+        found = [p for p in stage_lowered(data, stage, mesh) if p.program == program]
         if not found:
             raise SystemExit(f"{preset} {stage} has no program {program!r}")
         target = found[0]
@@ -94,7 +92,7 @@ def measure(preset: str, stage: str, program: str, runs: int, attention: str | N
     peak = bf16_peak(peak_n)
     result = {
         "device": f"{device.platform}: {device.device_kind}", "jax": jax.__version__, "machine": machine(),
-        "attention": config.student.attention if stage != "sft-teacher" else config.teacher.attention,
+        "attention": data.get(role, {}).get("attention", ModelConfig.attention),
         "planned_bytes": int(planned), "argument_bytes": int(m.argument_size_in_bytes),
         "temp_bytes": int(m.temp_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes),
         "measured_peak_bytes": stats["peak_bytes_in_use"] - before if stats else None,

@@ -241,6 +241,17 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
                 mesh_shape, topo.chips, topo.hosts * num_slices, topo.chip.hbm, topo.chip.peak_flops, stages)
 
 
+def stage_lowered(data: dict, stage: str, mesh: jax.sharding.Mesh, *, cost: str = "none") -> list[Any]:
+    """The programs of `stage` ("sft-teacher", "sft-student", "opd" or "grpo") of the preset `data`
+    lowered on `mesh` as a plan builds them, for whatever devices the mesh holds (a TPU topology's,
+    or this host's own, to run them): each with `.program` (its name), `.lowered` (a
+    `jax.stages.Lowered`) and `.model_flops` (train steps: the model's matmul FLOPs per device)."""
+    from .stages._config import parse_pipeline_config, pipeline_config
+
+    with jax.set_mesh(mesh):
+        return stage_programs(shapes_run(pipeline_config(parse_pipeline_config(data))), stage, mesh, cost=cost)
+
+
 def _with_attention(data: dict, attention: str | None) -> dict:
     if attention is None:
         return data
