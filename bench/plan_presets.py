@@ -24,8 +24,10 @@ PRESETS = ("sdar_1p7b", "sdar_1p7b_lora", "sdar_8b", "sdar_8b_lora")
 TOPOLOGIES = {"v5e:2x4": "fsdp=8", "v6e:2x4": "fsdp=8", "v5p:2x2x4": "data=2,fsdp=8"}
 GiB = 1 << 30
 # The attention implementations compared on one TPU program: SDAR-1.7B's GRPO stage (its train step
-# reads the packed replay, whose views' blocks differ per row) on a v5e-8.
-COMPARE = ("sdar_1p7b", "v5e:2x4", "grpo")
+# reads the packed replay, whose views' blocks differ per row), on a v5e-8 and on the v5p-16 (whose
+# cost model, unlike v5e's, gives a time).
+COMPARE = ("sdar_1p7b", "grpo")
+COMPARE_ON = ("v5e:2x4", "v5p:2x2x4")
 ATTENTIONS = ("blocked", "dense", "splash")
 
 
@@ -58,10 +60,10 @@ def configured_attention(preset: str) -> str:
     return data.get("student", {}).get("attention", ModelConfig.attention)
 
 
-def compared(results: dict[str, dict], attention: str) -> dict | None:
-    """The compared stage's plan with `attention`: its own, or for the preset's configured attention
-    the preset's plan on that slice (the same programs)."""
-    preset, topology, _ = COMPARE
+def compared(results: dict[str, dict], topology: str, attention: str) -> dict | None:
+    """The compared stage's plan on `topology` with `attention`: its own, or for the preset's
+    configured attention the preset's plan on that slice (the same programs)."""
+    preset, _ = COMPARE
     own = results.get(f"{preset}@{topology}@{attention}")
     if own is None and attention == configured_attention(preset):
         return results.get(f"{preset}@{topology}")
@@ -69,28 +71,32 @@ def compared(results: dict[str, dict], attention: str) -> dict | None:
 
 
 def attention_table(results: dict[str, dict]) -> str:
-    preset, topology, stage = COMPARE
-    lines = [f"| attention | {stage} train step: peak GiB per chip | temporaries GiB | TFLOP per chip | est. s | "
-             "est. MFU |", "|---|---|---|---|---|---|"]
-    for attention in ATTENTIONS:
-        result = compared(results, attention)
+    _, stage = COMPARE
+    lines = [f"| slice | attention | {stage} train step: peak GiB per chip | temporaries GiB | TFLOP per chip | est. s "
+             "| est. MFU |", "|---|---|---|---|---|---|---|"]
+    for topology, attention in ((t, a) for t in COMPARE_ON for a in ATTENTIONS):
+        result = compared(results, topology, attention)
         if result is None:
             continue
         stage_plan = next(s for s in result["stages"] if s["stage"] == stage)
         step = next(p for p in stage_plan["programs"] if p["program"] == "train step")
         if step.get("refused"):
-            lines.append(f"| `{attention}` | does not compile: {step['refused'][:120]} | | | | |")
+            lines.append(f"| {topology} | `{attention}` | does not compile: {step['refused'][:120]} | | | | |")
             continue
         mfu = step["model_flops"] / (step["seconds"] * result["peak_flops"]) if step["seconds"] else 0
-        bound = "≥ " if step["seconds_from"] == "roofline" else ""
-        lines.append(f"| `{attention}` | {step['peak'] / GiB:.2f} | {step['temp'] / GiB:.2f} | "
-                     f"{step['flops'] / 1e12:.1f} | {bound}{step['seconds']:.2f} | {100 * mfu:.0f}% |")
+        roofline = step["seconds_from"] == "roofline"
+        lines.append(f"| {topology} | `{attention}` | {step['peak'] / GiB:.2f} | {step['temp'] / GiB:.2f} | "
+                     f"{step['flops'] / 1e12:.1f} | {'≥ ' if roofline else ''}{step['seconds']:.2f} | "
+                     f"{'≤ ' if roofline else ''}{100 * mfu:.0f}% |")
     return "\n".join(lines)
 
 
 def table(results: dict[str, dict]) -> str:
-    lines = ["| preset | slice | stage | peak GiB per chip | fits | train step: est. s, est. MFU | largest batch that "
-             "fits | command |", "|---|---|---|---|---|---|---|---|"]
+    """One row per stage of each plan; the largest-batch column only once a plan has it (`--largest-batch`)."""
+    with_largest = any("largest_batch" in stage for result in results.values() for stage in result["stages"])
+    lines = ["| preset | slice | stage | peak GiB per chip | fits | train step: est. s, est. MFU | "
+             + ("largest batch that fits | " if with_largest else "") + "command |",
+             "|---|---|---|---|---|---|" + ("---|" if with_largest else "") + "---|"]
     for key, result in results.items():
         preset, topology = key.split("@")
         for stage in result["stages"]:
@@ -98,8 +104,11 @@ def table(results: dict[str, dict]) -> str:
             timing = ""
             if step and step["seconds"]:
                 mfu = step["model_flops"] / (step["seconds"] * result["peak_flops"]) if step["model_flops"] else 0
-                bound = "≥ " if step["seconds_from"] == "roofline" else ""
-                timing = f"{bound}{step['seconds']:.2f} s, {100 * mfu:.0f}%"
+                roofline = step["seconds_from"] == "roofline"  # a lower bound on time: an upper bound on MFU
+                timing = (f"{'≥ ' if roofline else ''}{step['seconds']:.2f} s, "
+                          f"{'≤ ' if roofline else ''}{100 * mfu:.0f}%")
+            elif step and not step["flops"]:
+                timing = "no estimate: XLA's cost analysis of its unrolled twin is empty"
             verdict = "yes" if stage["fits"] else f"no: {stage['remedy']}"
             if stage.get("planned_with"):
                 verdict += f" (with {stage['planned_with'].split(' (as configured')[0]}: the preset's rows per " \
@@ -109,8 +118,15 @@ def table(results: dict[str, dict]) -> str:
             command = f"`make plan PRESET={preset} TOPOLOGY={topology} PLAN_ARGS=\"--mesh {TOPOLOGIES[topology]}\"`"
             lines.append(f"| {preset} | {topology} ({result['chips']} chips, {result['hosts']} host"
                          f"{'s' if result['hosts'] > 1 else ''}) | {stage['stage']} | {stage['peak'] / GiB:.1f} | "
-                         f"{verdict} | {timing} | {largest_fit} | {command} |")
+                         f"{verdict} | {timing} | " + (f"{largest_fit} | " if with_largest else "") + f"{command} |")
     return "\n".join(lines)
+
+
+def compiler() -> str:
+    """What made the figures: TPU programs compiled on a CPU host do not depend on the host."""
+    from importlib.metadata import version
+
+    return f"no TPU: compiled by libtpu {version('libtpu')} (jax {version('jax')}) on a CPU host"
 
 
 def main() -> None:
@@ -118,7 +134,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", default=list(PRESETS))
     parser.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
     parser.add_argument("--attentions", nargs="*", default=list(ATTENTIONS),
-                        help=f"compare these on {COMPARE[0]}'s {COMPARE[2]} stage on {COMPARE[1]}")
+                        help=f"compare these on {COMPARE[0]}'s {COMPARE[1]} stage")
+    parser.add_argument("--compare-on", nargs="*", default=list(COMPARE_ON), metavar="TOPOLOGY",
+                        help="the slices of the attention comparison")
     parser.add_argument("--resume", action="store_true", help="keep the plans already in the results file")
     parser.add_argument("--largest-batch", nargs="*", default=[], metavar="TOPOLOGY",
                         help="find each stage's largest batch that fits on these slices, for the plans in the "
@@ -136,11 +154,13 @@ def main() -> None:
 
     if args.table:
         args.attentions, args.only = [], []
-    preset, topology, stage = COMPARE
+    preset, stage = COMPARE
     # The configured attention last: the preset's own plan on that slice, if made meanwhile, stands for it.
-    for attention in sorted(args.attentions, key=lambda a: a == configured_attention(preset)):
+    for topology, attention in ((t, a) for t in args.compare_on for a in sorted(
+            args.attentions, key=lambda a: a == configured_attention(preset))):
         key = f"{preset}@{topology}@{attention}"
-        if args.resume and compared(json.loads(path.read_text()) if path.exists() else {}, attention) is not None:
+        if args.resume and compared(json.loads(path.read_text()) if path.exists() else {}, topology,
+                                    attention) is not None:
             continue
         print(f"== {preset} on {topology}, {stage} with attention {attention}", file=sys.stderr, flush=True)
         keep(key, run_one(preset, topology, TOPOLOGIES[topology], stage=stage, attention=attention, remedies=False))
@@ -174,11 +194,12 @@ def main() -> None:
                   "≥, the roofline bound from its FLOPs and bytes; MFU counts the model's matmul FLOPs. The "
                   "presets' stages use the canvas of `flows/configs/sdar_*.toml` (64 prompt + 128 new tokens, "
                   "block 4).\n\n" + body + "\n\n**Attention on TPU.** The same program with each attention "
-                  f"implementation (`--attention`): {COMPARE[0]}'s {COMPARE[2]} stage on {COMPARE[1]}, mesh "
-                  f"{TOPOLOGIES[COMPARE[1]]}. `splash` is TPU's splash kernels with each row's block-diffusion mask; "
+                  f"implementation (`--attention`): {COMPARE[0]}'s {COMPARE[1]} stage, on the slices and meshes "
+                  "above. `splash` is TPU's splash kernels with each row's block-diffusion mask; "
                   "XLA's cost analysis cannot see into its kernels, so their FLOPs are added as dense attention's "
-                  "(every query-key pair: an upper bound) and its time at the chip's peak.\n\n" + comparison,
-                  markdown=ROOT / "SCALING.md")
+                  "(every query-key pair: an upper bound) and its time at the chip's peak. v5e's times are roofline "
+                  "bounds (≥; its cost model gives none), v5p's the cost model's.\n\n" + comparison,
+                  markdown=ROOT / "SCALING.md", measured_on=compiler())
 
 
 if __name__ == "__main__":

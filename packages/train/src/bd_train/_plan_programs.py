@@ -284,7 +284,9 @@ def compile_program(program: _Program, chip: Any, memo: dict[str, _Figures] | No
         cost = _figures(lowered, memo).cost
         flops = times * float(cost.get("flops", 0.0)) + program.kernel_flops
         accessed = times * float(cost.get("bytes accessed", 0.0))
-        if cost.get("optimal_seconds", -1.0) > 0:  # negative: the cost model has no estimate
+        if not cost:  # XLA's cost analysis returned nothing for this program: no estimate
+            seconds, source = None, ""
+        elif cost.get("optimal_seconds", -1.0) > 0:  # negative: the cost model has no estimate
             seconds, source = times * float(cost["optimal_seconds"]) + program.kernel_flops / chip.peak_flops, "xla"
         else:
             seconds, source = max(flops / chip.peak_flops, accessed / chip.hbm_bandwidth), "roofline"

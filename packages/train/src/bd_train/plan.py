@@ -317,8 +317,11 @@ def format_plan(result: Plan) -> str:
              "% of HBM | TFLOP/chip | est. s | est. MFU |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for stage in result.stages:
         for p in stage.programs:
-            mfu = (f"{100 * p.model_flops / (p.seconds * result.peak_flops):.0f}%"
-                   if p.model_flops and p.seconds else "")
+            # From the roofline's lower bound on time, the MFU is an upper bound.
+            mfu = ""
+            if p.model_flops and p.seconds:
+                bound = "<= " if p.seconds_from == "roofline" else ""
+                mfu = f"{bound}{100 * p.model_flops / (p.seconds * result.peak_flops):.0f}%"
             lines.append(f"| {p.stage} | {p.program} | {gib(p.params)} | {gib(p.optimizer)} | {gib(p.argument)} | "
                          f"{gib(p.temp)} | {p.code / 2**20:.1f} | {gib(p.peak)} | {100 * p.peak / result.hbm:.0f}% | "
                          f"{p.flops / 1e12:.3g} | {_seconds(p)} | {mfu} |")
@@ -335,7 +338,7 @@ def format_plan(result: Plan) -> str:
                  "loops); est. s is XLA's cost model where it gives one, else (marked >=) the roofline bound "
                  "max(FLOPs / peak, bytes accessed / HBM bandwidth): estimates, not timings. est. MFU = the model's "
                  "matmul FLOPs per chip (3x forward; 2x with LoRA, whose frozen weights get no gradient) / "
-                 "(est. s x peak).")
+                 "(est. s x peak); from a roofline bound it is an upper bound (marked <=).")
     return "\n".join(lines)
 
 
