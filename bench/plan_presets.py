@@ -34,10 +34,14 @@ ATTENTIONS = ("blocked", "dense", "splash")
 MEMO: dict[str, dict] = {}  # programs compiled for a slice, by their StableHLO: the presets share a teacher
 
 
+def preset_data(preset: str) -> dict:
+    return tomllib.loads((ROOT / "flows" / "configs" / f"{preset}.toml").read_text())
+
+
 def run_one(preset: str, topology: str, mesh: str, **options) -> dict:
     from bd_train.plan import _mesh_arg, plan
 
-    data = tomllib.loads((ROOT / "flows" / "configs" / f"{preset}.toml").read_text())
+    data = preset_data(preset)
     start = time.perf_counter()
     result = plan(data, topology, name=f"{preset}.toml", mesh=_mesh_arg(mesh), cost="train step",
                   log=lambda line: print(line, file=sys.stderr, flush=True), memo=MEMO, **options)
@@ -48,7 +52,7 @@ def largest(preset: str, topology: str, stage: str) -> list:
     """[setting, its largest value that fits] for one stage (`bd_train.plan.largest_batch`)."""
     from bd_train.plan import _mesh_arg, largest_batch
 
-    data = tomllib.loads((ROOT / "flows" / "configs" / f"{preset}.toml").read_text())
+    data = preset_data(preset)
     return list(largest_batch(data, stage, topology, mesh=_mesh_arg(TOPOLOGIES[topology]), memo=MEMO,
                               log=lambda line: print(line, file=sys.stderr, flush=True)))
 
@@ -56,7 +60,7 @@ def largest(preset: str, topology: str, stage: str) -> list:
 def configured_attention(preset: str) -> str:
     from bd_models import ModelConfig
 
-    data = tomllib.loads((ROOT / "flows" / "configs" / f"{preset}.toml").read_text())
+    data = preset_data(preset)
     return data.get("student", {}).get("attention", ModelConfig.attention)
 
 
@@ -144,13 +148,17 @@ def main() -> None:
     parser.add_argument("--table", action="store_true", help="only write SCALING.md's table from the results file")
     args = parser.parse_args()
     path = results_path("plan_presets")
-    results = json.loads(path.read_text()) if path.exists() else {}
+
+    def saved() -> dict[str, dict]:
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    results = saved()
 
     def keep(key: str, plan: dict) -> None:
         """Each plan kept as soon as it is made, merged into the file as it is now: several
         processes may plan disjoint presets or slices at once."""
         results[key] = plan
-        write_results("plan_presets", {**(json.loads(path.read_text()) if path.exists() else {}), key: plan})
+        write_results("plan_presets", {**saved(), key: plan})
 
     if args.table:
         args.attentions, args.only = [], []
@@ -159,7 +167,7 @@ def main() -> None:
     for topology, attention in ((t, a) for t in args.compare_on for a in sorted(
             args.attentions, key=lambda a: a == configured_attention(preset))):
         key = f"{preset}@{topology}@{attention}"
-        if args.resume and compared(json.loads(path.read_text()) if path.exists() else {}, topology,
+        if args.resume and compared(saved(), topology,
                                     attention) is not None:
             continue
         print(f"== {preset} on {topology}, {stage} with attention {attention}", file=sys.stderr, flush=True)
@@ -180,7 +188,7 @@ def main() -> None:
             for stage in plan["stages"]:
                 stage["largest_batch"] = largest(preset, topology, stage["stage"])
                 keep(key, plan)
-    results = json.loads(path.read_text()) if path.exists() else {}
+    results = saved()
     comparison = attention_table(results)
     results = {k: v for k, v in results.items() if k.count("@") == 1}
     ordered = {k: results[k] for k in sorted(results, key=lambda k: (PRESETS.index(k.split("@")[0]),
