@@ -1,5 +1,5 @@
 """Test-session setup shared by every package: 8 virtual CPU devices before jax is imported, and
-XLA's CPU backend at optimization level 0.
+XLA's CPU backend at optimization level 0; hypothesis derandomized.
 
 The suite compiles hundreds of small programs and runs few large ones, so compiling is most of its
 time; unoptimised CPU code compiles 2-3x faster (a sampler of the default preset: 3.0 s against
@@ -20,6 +20,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("METAFLOW_USER", "bdlm-test")
 
 import jax  # noqa: E402  (after the environment above)
+from hypothesis import settings  # noqa: E402
+
+# Property tests draw the same examples on every run and every fresh clone (no example database):
+# a suite that is green once is green every time. `HYPOTHESIS_PROFILE=explore` draws new ones.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", max_examples=500)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # The stages turn on JAX's persistent compilation cache (`Run.enable_compilation_cache`): it pays in
 # Metaflow steps, each a new process, and saves little in this one long-lived process, where it stays

@@ -17,8 +17,10 @@ def _per_token_metric(losses, weights):
 @st.composite
 def batch_and_split(draw):
     n = draw(st.integers(1, 24))
-    # No subnormals: XLA on CPU flushes them to zero (a weight of 1e-45 sums to 0), numpy does not.
-    floats = lambda hi: st.floats(0.0, hi, width=32, allow_subnormal=False)  # noqa: E731
+    # Nothing subnormal, inputs or products: XLA on CPU flushes subnormals to zero (a weight of 1e-45
+    # sums to 0; 1.18e-38 x 0.5 multiplies to 0), numpy does not. Every value is 0 or >= 1e-6, so
+    # every product of a loss and a weight is 0 or >= 1e-12, far above float32's normal range.
+    floats = lambda hi: st.one_of(st.just(0.0), st.floats(float(np.float32(1e-6)), hi, width=32))  # noqa: E731
     losses = np.asarray(draw(st.lists(floats(10.0), min_size=n, max_size=n)), np.float32)
     weights = np.asarray(draw(st.lists(floats(3.0), min_size=n, max_size=n)), np.float32)
     cuts = sorted(draw(st.lists(st.integers(0, n), max_size=5)))

@@ -1,8 +1,9 @@
 """A few SFT steps on a (data=2, fsdp=2, model=2) mesh, then a checkpoint: run as one process of a
 multi-process group (`python distributed_worker.py <coordinator> <count> <id> <dir>`) or imported
-by the test as the single-process reference on 8 devices. With a fifth argument `restore`, a group
-process only restores `<dir>/checkpoints` into that mesh and writes what happened to
-`<dir>/restore-<id>.txt` ("restored", or the refusal's message)."""
+by the test as the single-process reference on 8 devices. After training, each process restores
+the group's checkpoint `RESTORES` times (a clean checkpoint must never be refused) and writes what
+happened to `<dir>/restore-<id>.txt` ("restored", or the refusals). With a fifth argument
+`restore`, a group process only restores `<dir>/checkpoints` once into that mesh."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 
 SHARDS = 2  # grain shards: one per process of the group, both read by the reference
 STEPS = 3
+RESTORES = 100
 
 
 def _batches(shard: int | None):
@@ -40,17 +42,22 @@ def _fresh_state():
                                        key=jax.random.key(1))
 
 
-def restore(directory: Path) -> str:
-    """Restore the group's checkpoint into a fresh state on the mesh: "restored", or the refusal."""
+def restore(directory: Path, times: int = 1) -> str:
+    """Restore the group's checkpoint `times` times into a fresh state on the mesh: "restored", or
+    the refusal (with how many of the restores were refused, when more than one was made)."""
     from bd_train import Checkpointer, CheckpointError
 
     _, _, target = _fresh_state()
-    try:
-        with Checkpointer(directory / "checkpoints", create=False) as checkpoints:
-            checkpoints.restore(target)
-    except CheckpointError as err:
-        return str(err)
-    return "restored"
+    refusals = []
+    with Checkpointer(directory / "checkpoints", create=False) as checkpoints:
+        for _ in range(times):
+            try:
+                checkpoints.restore(target)
+            except CheckpointError as err:
+                refusals.append(str(err))
+    if not refusals:
+        return "restored"
+    return refusals[0] if times == 1 else f"{len(refusals)} of {times} restores refused, first: {refusals[0]}"
 
 
 def train(directory: Path) -> tuple[list[float], object]:
@@ -90,5 +97,6 @@ if __name__ == "__main__":
     else:
         losses, _ = train(out)
         (out / f"losses-{index}.json").write_text(json.dumps(losses))
-        (out / f"restore-{index}.txt").write_text(restore(out))  # every process verifies the shards it reads
+        # every process verifies the shards it reads, again and again: no restore of it may be refused
+        (out / f"restore-{index}.txt").write_text(restore(out, RESTORES))
     shutdown()

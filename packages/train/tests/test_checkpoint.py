@@ -180,7 +180,10 @@ def test_damaged_files_are_refused_by_name_with_how_to_recover(tmp_path, damage)
             checkpoints.restore_model(state.model)
     message = str(err.value)
     assert f"checkpoint {tmp_path} step 0" in message and "Rerun the stage that wrote it" in message
-    assert len(message.splitlines()) == 1
+    assert len(message.splitlines()) == 1 and "slice(" not in message
+    # a damaged B-tree (the item's index) is named as such; damaged array data by array and shard
+    assert "its array metadata could not be read" in message or (
+        "the content of model/" in message and "(shard " in message), message
 
 
 def test_content_that_differs_from_its_digest_is_named(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ from bd_models import trainable, trainable_filter
 
 from ._fingerprints import as_plain_dict
 from ._shard_digests import agreed_errors, damaged_shards, shard_digests
+from ._unreadable import unreadable_shards
 
 if TYPE_CHECKING:
     from ._trainer import TrainState
@@ -163,6 +165,24 @@ def _flat_items(items: Mapping[str, Any]) -> dict[str, Any]:
     return {path: leaf for name, tree in items.items() for path, leaf in _flat(tree, name).items()}
 
 
+def _named(shards: Sequence[tuple[str, str]]) -> str:
+    """`a/b (shard 0:4,0:8), c (shard 0:2)` for at most 8 shards, then how many more."""
+    names = ", ".join(f"{path} (shard {key or '()'})" for path, key in shards[:8])
+    return names + (f" and {len(shards) - 8} more" if len(shards) > 8 else "")
+
+
+_SLICE = re.compile(r"\(?slice\((-?\d+|None), (-?\d+|None), (?:-?\d+|None)\)\)?,?\s*")
+
+
+def _plain(text: str) -> str:
+    """An error text with its Python `slice(...)` tuples written as region keys (`0:1,0:64`)."""
+    def region(match: re.Match) -> str:
+        parts = _SLICE.findall(match.group(0))
+        return ",".join(f"{'' if a == 'None' else a}:{'' if b == 'None' else b}" for a, b in parts)
+
+    return re.sub(r"\((?:slice\([^)]*\),?\s*)+\)", region, text)
+
+
 def _describe(shape: Any, dtype: Any) -> str:
     return f"{tuple(shape)} {jnp.dtype(dtype).name}"
 
@@ -222,15 +242,21 @@ class Checkpointer:
         step = self._resolve(step)
         return dict(self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore()), "its metadata")["meta"])
 
-    def _read(self, step: int, args: Any, what: str) -> Any:
+    def _read(self, step: int, args: Any, what: str, paths: Sequence[str] = (),
+              saved: Mapping[str, Any] | None = None) -> Any:
         """`manager.restore`, with an unreadable file turned into one message that says how to
-        recover; in a group, every process raises it when any process could not read."""
+        recover, naming each shard of `paths` (leaf paths, `saved` their digests) that cannot be
+        read; in a group, every process raises it when any process could not read."""
         restored, error = None, None
         try:
             restored = self._manager.restore(step, args=args)
         except Exception as err:  # noqa: BLE001  (tensorstore/orbax raise many kinds for a damaged file)
-            first = (str(err).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
-            error = f"{type(err).__name__}: {first[:300]}"
+            unreadable = unreadable_shards(os.path.join(self.directory, str(step)), paths, saved) if paths else []
+            if unreadable:
+                error = f"the content of {_named(unreadable)} could not be read"
+            else:
+                first = (str(err).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
+                error = f"{what} could not be read ({type(err).__name__}: {_plain(first)[:300]})"
             if jax.process_count() > 1:  # the others wait in Orbax's barrier at the end of a restore
                 from jax.experimental import multihost_utils
 
@@ -239,8 +265,8 @@ class Checkpointer:
         if errors:
             where = "" if jax.process_count() == 1 else f" on process {min(errors)}"
             raise CheckpointCorrupted(
-                f"checkpoint {self.directory} step {step}: {what} could not be read{where} ({errors[min(errors)]}); "
-                f"its files are truncated, missing or damaged. {self._recovery(step)}") from None
+                f"checkpoint {self.directory} step {step}: {errors[min(errors)]}{where}; its files are truncated, "
+                f"missing or damaged. {self._recovery(step)}") from None
         return restored
 
     def _recovery(self, step: int) -> str:
@@ -259,9 +285,7 @@ class Checkpointer:
                                       "stage that wrote it")
         damaged = damaged_shards(_flat_items(restored), saved)
         if damaged:
-            names = ", ".join(f"{path} (shard {key or '()'})" for path, key in damaged[:8])
-            more = f" and {len(damaged) - 8} more" if len(damaged) > 8 else ""
-            raise CheckpointCorrupted(f"checkpoint {self.directory} step {step}: the content of {names}{more} "
+            raise CheckpointCorrupted(f"checkpoint {self.directory} step {step}: the content of {_named(damaged)} "
                                       f"differs from what was saved; the files are corrupted. {self._recovery(step)}")
 
     def fingerprints(self, step: int | None = None) -> dict[str, Fingerprint]:
@@ -376,7 +400,8 @@ class Checkpointer:
         mesh = _mesh_of(arrays)
         abstract = jax.tree_util.tree_map(lambda x: _abstract(x, mesh), arrays)
         meta = self.read_meta(step)
-        restored = self._read(step, ocp.args.Composite(model=ocp.args.StandardRestore(abstract)), "the model")
+        restored = self._read(step, ocp.args.Composite(model=ocp.args.StandardRestore(abstract)), "the model",
+                              list(_flat_items({"model": arrays})), meta.get("digests"))
         self._verify({"model": restored["model"]}, step, meta)
         return _fill_trained(target, restored["model"])
 
@@ -400,8 +425,11 @@ class Checkpointer:
             for name, tree in arrays.items() if tree}
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-        restored = self._read(step, ocp.args.Composite(**items), "the saved state")
-        self._verify({name: restored[name] for name in arrays if arrays[name]}, step, self.read_meta(step))
+        meta = self.read_meta(step)
+        restored = self._read(step, ocp.args.Composite(**items), "the saved state",
+                              list(_flat_items({name: tree for name, tree in arrays.items() if tree})),
+                              meta.get("digests"))
+        self._verify({name: restored[name] for name in arrays if arrays[name]}, step, meta)
         key = restored["rng"]["key"]
         if _is_key(target.key):
             key = jax.random.wrap_key_data(key, impl=jax.random.key_impl(target.key))
