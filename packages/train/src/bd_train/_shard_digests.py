@@ -16,6 +16,7 @@ its own.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import zlib
@@ -92,23 +93,52 @@ def _all_regions(x: Any) -> list[Region]:
     return sorted({_region(index, x.shape) for index in x.sharding.devices_indices_map(x.shape).values()})
 
 
-def shard_digests(leaves: Mapping[str, Any]) -> dict[str, dict[str, str]]:
-    """`{path: {region key: digest}}` for every shard of every leaf of `leaves` (`{path: array}`),
-    on every process: what a checkpoint records. In a group
-    every process must call it, with the same paths."""
+@dataclasses.dataclass
+class HostShards:
+    """The shards of a save whose digests this process computes, read to the host when the save
+    began (`host_shards`): digesting them later, on another thread while training goes on, sees
+    the values of the save whatever happens to the arrays since (an update that donates them)."""
+
+    entries: list[tuple[str, Region]]  # every shard of every leaf, in the same order on every process
+    owned: list[tuple[tuple[str, Region], np.ndarray]]
+
+
+def host_shards(leaves: Mapping[str, Any]) -> HostShards:
+    """The host copies (`HostShards`) of the shards of `leaves` (`{path: array}`) whose recorded
+    digest this process computes, read on the calling thread (see `_host_shards`). Every
+    device-to-host copy is started first, so that they overlap."""
+    for x in leaves.values():
+        if _is_global(x):
+            for shard in x.addressable_shards:
+                if shard.replica_id == 0:
+                    shard.data.copy_to_host_async()
     entries = [(path, region) for path, x in leaves.items() for region in _all_regions(x)]
-    position = {entry: i for i, entry in enumerate(entries)}
-    table = np.zeros((len(entries), 32), np.uint8)
     owned = [((path, region), data) for path, x in leaves.items() for region, data in _owned(x)]
+    return HostShards(entries, owned)
+
+
+def digest_host_shards(shards: HostShards) -> dict[str, dict[str, str]]:
+    """`{path: {region key: digest}}` for every shard in `shards`: what a checkpoint records. In a
+    group every process must call it, in the same order, on the thread that issues the group's
+    other collectives (it gathers the digests with one)."""
+    position = {entry: i for i, entry in enumerate(shards.entries)}
+    table = np.zeros((len(shards.entries), 32), np.uint8)
     with ThreadPoolExecutor(_threads()) as pool:
-        for (entry, _), value in zip(owned, pool.map(lambda item: digest(item[1]), owned)):
+        for (entry, _), value in zip(shards.owned, pool.map(lambda item: digest(item[1]), shards.owned)):
             table[position[entry]] = np.frombuffer(bytes.fromhex(value), np.uint8)
     if jax.process_count() > 1:  # each entry is filled by exactly one process
         table = np.bitwise_or.reduce(_allgather(table), axis=0)
     out: dict[str, dict[str, str]] = {}
-    for (path, region), row in zip(entries, table):
+    for (path, region), row in zip(shards.entries, table):
         out.setdefault(path, {})[region_key(region)] = row.tobytes().hex()
     return out
+
+
+def shard_digests(leaves: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+    """`{path: {region key: digest}}` for every shard of every leaf of `leaves` (`{path: array}`),
+    on every process: what a checkpoint records. In a group
+    every process must call it, with the same paths."""
+    return digest_host_shards(host_shards(leaves))
 
 
 # -- restore ----------------------------------------------------------------------------------------
