@@ -1,5 +1,6 @@
 """Orbax checkpoints: bit-for-bit resume in a fresh process, fail-closed fingerprint and tree
-checks, stray temp dirs, SIGTERM."""
+checks, stray temp dirs, SIGTERM, asynchronous saves (the values at save, listed once committed, a
+failure raised, a kill mid-save)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
+import equinox as eqx
 import jax
 import numpy as np
 import optax
@@ -225,3 +228,81 @@ def test_undamaged_checkpoints_restore_their_digested_content(tmp_path):
         restored = checkpoints.restore(state)
     for got, want in zip(jax.tree.leaves(restored.params), jax.tree.leaves(state.params)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# -- asynchronous saves ---------------------------------------------------------------------------
+
+import async_save_worker  # noqa: E402
+
+
+def _host_copy(state) -> list[np.ndarray]:
+    return [np.array(x) for x in jax.tree.leaves((state.step, state.model, state.opt_state))]
+
+
+def _committed(folder, step: int) -> bool:
+    return (folder / str(step)).is_dir()
+
+
+def test_an_async_save_keeps_the_values_at_save_and_is_listed_once_committed(tmp_path):
+    first, second = async_save_worker.state(1), async_save_worker.state(2)
+    want = _host_copy(second)
+    with Checkpointer(tmp_path, async_save=True) as checkpointer:
+        checkpointer.save(first)
+        checkpointer.save(second)  # waits for step 1, then returns while step 2 is written
+        listed, committed = checkpointer.all_steps(), _committed(tmp_path, 2)
+        assert listed == ([1, 2] if committed else [1]) and checkpointer.latest_step() == listed[-1]
+        # training goes on: the saved arrays are donated to and overwritten by the next updates
+        update = jax.jit(lambda tree: jax.tree.map(lambda x: x * 2 + 1 if eqx.is_inexact_array(x) else x, tree),
+                         donate_argnums=0)
+        arrays = (second.model, second.opt_state)
+        del second
+        for _ in range(3):
+            arrays = update(arrays)
+        jax.block_until_ready(arrays)
+        checkpointer.wait()
+        assert checkpointer.all_steps() == [1, 2]
+        restored = checkpointer.restore(async_save_worker.state(0), step=2)  # checks every digest
+    for got, saved in zip(_host_copy(restored), want, strict=True):
+        assert got.dtype == saved.dtype and got.tobytes() == saved.tobytes()
+    print(f"step 2 was {'committed' if committed else 'in flight'} when save returned")
+
+
+def test_a_failed_async_save_is_raised_at_the_next_wait_and_never_listed(tmp_path):
+    with Checkpointer(tmp_path, async_save=True) as checkpointer:
+        checkpointer.save(async_save_worker.state(1))
+        checkpointer.save(async_save_worker.state(2))
+        temp = [p for p in tmp_path.iterdir() if p.name.startswith("2.orbax-checkpoint-tmp")]
+        assert temp, "step 2 was committed before the test could damage its temp dir"
+        temp[0].rename(tmp_path.parent / f"{tmp_path.name}-moved")  # what was written so far goes away
+        temp[0].write_text("not a folder")  # and the rest of step 2's writes and its rename fail
+        with pytest.raises(CheckpointError, match="asynchronous save of step 2 failed in the background"):
+            checkpointer.wait()
+        assert checkpointer.all_steps() == [1]
+        checkpointer.save(async_save_worker.state(3))  # saving goes on after the error was raised
+    with Checkpointer(tmp_path, create=False) as checkpointer:
+        assert checkpointer.all_steps() == [1, 3]
+        checkpointer.restore(async_save_worker.state(0), step=3)
+
+
+def test_a_kill_during_an_async_save_leaves_the_previous_step(tmp_path):
+    folder = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "async_save_worker.py"), str(folder)],
+                            env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(p.name.startswith("2.orbax-checkpoint-tmp") for p in folder.glob("2.*")):
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the worker never started saving step 2"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not _committed(folder, 2)
+    with Checkpointer(folder, create=False) as checkpointer:
+        assert checkpointer.all_steps() == [1] and checkpointer.latest_step() == 1
+        restored = checkpointer.restore(async_save_worker.state(0))  # checks every digest
+    for got, saved in zip(_host_copy(restored), _host_copy(async_save_worker.state(1)), strict=True):
+        assert got.tobytes() == saved.tobytes()

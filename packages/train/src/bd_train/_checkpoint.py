@@ -10,12 +10,22 @@ Digests are per shard and computed where the shard lives (`_shard_digests`), so 
 processes are covered, and a checkpoint written by a group verifies when restored into another
 mesh or one process. In a group every refusal is agreed: a shard that one process finds damaged,
 or a file that one process cannot read, makes every process raise the same message.
+
+Asynchronous saves (`async_save=True`) return once the arrays are on the host; Orbax writes them
+on background threads while training goes on, and the digests are computed there too, from the
+host copies taken when the save began. The JSON metadata, digests included, is one of the
+items of the same Orbax commit: the step's temp dir is renamed to `<step>` only after every item
+is written, so a step is listed and restorable only when it is whole, and a kill mid-save leaves
+the previous step. In a group the digests are computed and gathered when the save begins (the
+gather is a collective, which must stay in program order on the main thread); only the writes
+overlap training there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import json
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -32,8 +42,14 @@ from bd_core import Fingerprint, FingerprintMismatch
 from bd_models import trainable, trainable_filter
 
 from ._fingerprints import as_plain_dict
-from ._shard_digests import agreed_errors, damaged_shards, shard_digests
-from ._unreadable import unreadable_shards
+from ._shard_digests import (
+    HostShards,
+    agreed_errors,
+    damaged_shards,
+    digest_host_shards,
+    host_shards,
+    unreadable_shards,
+)
 
 if TYPE_CHECKING:
     from ._trainer import TrainState
@@ -156,11 +172,6 @@ def _mesh_of(tree: Any) -> jax.sharding.Mesh | None:
     return None
 
 
-def _digests(items: Mapping[str, Any]) -> dict[str, dict[str, str]]:
-    """`{"<item>/<leaf path>": {shard region: digest}}` over the array items of a checkpoint."""
-    return shard_digests(_flat_items(items))
-
-
 def _flat_items(items: Mapping[str, Any]) -> dict[str, Any]:
     return {path: leaf for name, tree in items.items() for path, leaf in _flat(tree, name).items()}
 
@@ -197,6 +208,36 @@ def _versions() -> dict[str, str]:
     return out
 
 
+@dataclasses.dataclass
+class _PendingMeta:
+    """A save's JSON metadata whose digests are computed when Orbax writes the item, on its
+    background thread, from the host copies taken at save."""
+
+    meta: dict[str, Any]
+    shards: HostShards | None
+
+    def resolve(self) -> dict[str, Any]:
+        shards, self.shards = self.shards, None  # the host copies are released once digested
+        if shards is None:
+            raise CheckpointError("the metadata of an asynchronous save was written twice")
+        return {**self.meta, "digests": digest_host_shards(shards)}
+
+
+def _meta_handler() -> ocp.JsonCheckpointHandler:
+    """Orbax's JSON handler (its type is what `JsonSave`/`JsonRestore` are registered with, so
+    restores need nothing else) whose write first resolves a `_PendingMeta`: the digests are
+    computed inside the commit, and the step is renamed from its temp dir only once they are
+    written."""
+    handler = ocp.JsonCheckpointHandler()
+    write = handler._save_fn  # orbax-checkpoint 0.12: the coroutine its commit thread runs
+
+    async def save_fn(item: Any, directory: Any) -> None:
+        await write(item.resolve() if isinstance(item, _PendingMeta) else item, directory)
+
+    handler._save_fn = save_fn  # type: ignore[method-assign]
+    return handler
+
+
 class Checkpointer:
     """Saves and restores `TrainState`s under `directory/<step>` with an Orbax `CheckpointManager`.
 
@@ -204,6 +245,11 @@ class Checkpointer:
     `counters` (arrays), `meta` (JSON: fingerprints, versions, config) and, when given, `data` (a
     grain iterator's state). Saves are atomic (Orbax writes a temp dir and renames it); stray temp
     dirs are ignored.
+
+    With `async_save=True`, `save` returns once the arrays are on the host and the step is
+    written and digested in the background; it is listed (`all_steps`, `latest_step`) only once
+    it is committed. The next `save`, `wait` and `close` wait for it, and raise `CheckpointError`
+    if it failed.
     """
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, async_save: bool = False,
@@ -213,19 +259,28 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint directory {self.directory} does not exist; check the path, or pass "
                                   "create=True to start a new one")
         handlers: dict[str, Any] = {name: ocp.StandardCheckpointHandler() for name in ARRAY_ITEMS}
-        handlers["meta"] = ocp.JsonCheckpointHandler()
+        handlers["meta"] = _meta_handler()
         handlers["data"] = grain.checkpoint.CheckpointHandler()
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create,
                                                enable_async_checkpointing=async_save)
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._async = async_save
+        self._in_flight: int | None = None  # the step of an asynchronous save not yet known to be committed
 
     # -- queries -------------------------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
-        return sorted(self._manager.all_steps())
+        """The committed steps: a step still being written in the background is not one (Orbax
+        lists it from the moment its save begins; it is committed once renamed from its temp dir)."""
+        steps = sorted(self._manager.all_steps())
+        step = self._in_flight
+        if step is not None and step in steps and not os.path.isdir(os.path.join(self.directory, str(step))):
+            steps.remove(step)
+        return steps
 
     def latest_step(self) -> int | None:
-        return self._manager.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def _resolve(self, step: int | None) -> int:
         steps = self.all_steps()
@@ -302,30 +357,54 @@ class Checkpointer:
         if state.accumulator is not None and int(state.accumulator.count) != 0:
             raise CheckpointError("save: the state holds a partly accumulated update; save after a call with "
                                   "is_update_step=True")
+        self.wait()  # the previous save first: its error, if any, is raised here and not lost
         step = int(state.step)
-        meta = {
+        arrays = _arrays_of(state)
+        shards = host_shards(_flat_items(arrays))  # host copies of this save's values, before training goes on
+        deferred = self._async and jax.process_count() == 1
+        meta: dict[str, Any] = {
             "step": step,
             "fingerprints": {name: fp.to_json() for name, fp in (fingerprints or {}).items()},
             "versions": _versions(),
             "config": None if config is None else as_plain_dict(config, "save(config=...)"),
             "has_data_state": data_iterator is not None,
-            "digests": _digests(_arrays_of(state)),
+            "digests": None if deferred else digest_host_shards(shards),
             "history": history,
             "overrides": overrides or [],
         }
+        try:  # a copy, as JSON: the caller's lists (the history) grow while an asynchronous save writes
+            meta = json.loads(json.dumps(meta))
+        except TypeError as err:
+            raise CheckpointError(f"save: the metadata (config, history or overrides) is not JSON ({err})") from None
         # Orbax refuses empty trees (e.g. plain SGD's optimizer state): such items are left out.
-        items: dict[str, Any] = {name: ocp.args.StandardSave(tree) for name, tree in _arrays_of(state).items() if tree}
-        items["meta"] = ocp.args.JsonSave(meta)
+        items: dict[str, Any] = {name: ocp.args.StandardSave(tree) for name, tree in arrays.items() if tree}
+        # a _PendingMeta becomes the mapping inside the commit (`_meta_handler`)
+        pending: Any = _PendingMeta(meta, shards) if deferred else meta
+        items["meta"] = ocp.args.JsonSave(pending)
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
         self._manager.save(step, args=ocp.args.Composite(**items), force=force)
+        self._in_flight = step if self._async else None
         return step
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        """Block until the save in flight, if any, is committed; raise `CheckpointError` if it
+        failed (the step is then not listed, and earlier steps are kept)."""
+        step, self._in_flight = self._in_flight, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:  # noqa: BLE001  (whatever the background writer raised)
+            first = (str(err).strip().splitlines() or [""])[0][:300]
+            raise CheckpointError(
+                f"checkpoint {self.directory}: the asynchronous save of step {step} failed in the background "
+                f"({type(err).__name__}: {first}); it was not committed, and the latest complete step is "
+                f"{self.latest_step()}. Check the disk (space, permissions) and continue from that step") from err
 
     def close(self) -> None:
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self

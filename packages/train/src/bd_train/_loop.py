@@ -114,6 +114,8 @@ def train_loop(trainer: Trainer, state: TrainState, batches: Iterable[Any], *, n
     def save(state: TrainState, final: bool) -> None:
         if checkpointer is None:
             return
+        if final:
+            checkpointer.wait()  # an asynchronous save of this very step may still be in flight
         if int(state.step) not in checkpointer.all_steps():
             checkpointer.save(state, fingerprints=fingerprints, config=config, data_iterator=data_iterator,
                               force=final)

@@ -11,15 +11,20 @@ every one of them refuses the checkpoint with the same message.
 
 An array that is not a sharded global array (a NumPy value, a counter on one device) is one
 shard, the whole array; in a group, process 0's copy is the one recorded and every process checks
-its own.
+its own. A restore that cannot read its files at all is diagnosed here too (`unreadable_shards`),
+so that a truncated file is named by array and shard in the same words as a digest mismatch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import itertools
+import json
+import math
 import os
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -92,23 +97,52 @@ def _all_regions(x: Any) -> list[Region]:
     return sorted({_region(index, x.shape) for index in x.sharding.devices_indices_map(x.shape).values()})
 
 
-def shard_digests(leaves: Mapping[str, Any]) -> dict[str, dict[str, str]]:
-    """`{path: {region key: digest}}` for every shard of every leaf of `leaves` (`{path: array}`),
-    on every process: what a checkpoint records. In a group
-    every process must call it, with the same paths."""
+@dataclasses.dataclass
+class HostShards:
+    """The shards of a save whose digests this process computes, read to the host when the save
+    began (`host_shards`): digesting them later, on another thread while training goes on, sees
+    the values of the save whatever happens to the arrays since (an update that donates them)."""
+
+    entries: list[tuple[str, Region]]  # every shard of every leaf, in the same order on every process
+    owned: list[tuple[tuple[str, Region], np.ndarray]]
+
+
+def host_shards(leaves: Mapping[str, Any]) -> HostShards:
+    """The host copies (`HostShards`) of the shards of `leaves` (`{path: array}`) whose recorded
+    digest this process computes, read on the calling thread (see `_host_shards`). Every
+    device-to-host copy is started first, so that they overlap."""
+    for x in leaves.values():
+        if _is_global(x):
+            for shard in x.addressable_shards:
+                if shard.replica_id == 0:
+                    shard.data.copy_to_host_async()
     entries = [(path, region) for path, x in leaves.items() for region in _all_regions(x)]
-    position = {entry: i for i, entry in enumerate(entries)}
-    table = np.zeros((len(entries), 32), np.uint8)
     owned = [((path, region), data) for path, x in leaves.items() for region, data in _owned(x)]
+    return HostShards(entries, owned)
+
+
+def digest_host_shards(shards: HostShards) -> dict[str, dict[str, str]]:
+    """`{path: {region key: digest}}` for every shard in `shards`: what a checkpoint records. In a
+    group every process must call it, in the same order, on the thread that issues the group's
+    other collectives (it gathers the digests with one)."""
+    position = {entry: i for i, entry in enumerate(shards.entries)}
+    table = np.zeros((len(shards.entries), 32), np.uint8)
     with ThreadPoolExecutor(_threads()) as pool:
-        for (entry, _), value in zip(owned, pool.map(lambda item: digest(item[1]), owned)):
+        for (entry, _), value in zip(shards.owned, pool.map(lambda item: digest(item[1]), shards.owned)):
             table[position[entry]] = np.frombuffer(bytes.fromhex(value), np.uint8)
     if jax.process_count() > 1:  # each entry is filled by exactly one process
         table = np.bitwise_or.reduce(_allgather(table), axis=0)
     out: dict[str, dict[str, str]] = {}
-    for (path, region), row in zip(entries, table):
+    for (path, region), row in zip(shards.entries, table):
         out.setdefault(path, {})[region_key(region)] = row.tobytes().hex()
     return out
+
+
+def shard_digests(leaves: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+    """`{path: {region key: digest}}` for every shard of every leaf of `leaves` (`{path: array}`),
+    on every process: what a checkpoint records. In a group
+    every process must call it, with the same paths."""
+    return digest_host_shards(host_shards(leaves))
 
 
 # -- restore ----------------------------------------------------------------------------------------
@@ -206,6 +240,67 @@ def damaged_shards(leaves: Mapping[str, Any], saved: Mapping[str, Any]) -> list[
     if jax.process_count() > 1:
         bad = np.bitwise_or.reduce(_allgather(bad), axis=0)
     return [(path, key) for (path, key, _), flag in zip(entries, bad) if flag]
+
+
+# -- unreadable shards ---------------------------------------------------------------------------------
+# When Orbax cannot restore an item (a data file truncated or missing), its error names only an
+# index of the restore target, not the array. After such a failure, the raw stored value of every
+# chunk of the item's arrays is read through TensorStore's OCDBT key-value store (the layout Orbax
+# writes: one zarr array per leaf, `a.b.c/<i.j>` chunk keys; no decompression, no device), and each
+# saved shard that holds a chunk whose bytes cannot be read is named as the digest check names it.
+
+def _kvstore(item_dir: str):
+    import tensorstore as ts
+
+    return ts.KvStore.open({"driver": "ocdbt", "base": f"file://{os.path.abspath(item_dir)}/"}).result()
+
+
+def _chunks(shape: list[int], chunks: list[int]) -> Iterable[tuple[str, Region]]:
+    """Every chunk's key and region of a zarr (v2) array."""
+    if not shape:
+        yield "0", ()
+        return
+    grid = [math.ceil(n / c) if n else 0 for n, c in zip(shape, chunks)]
+    for index in itertools.product(*(range(g) for g in grid)):
+        region = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(index, chunks, shape))
+        yield ".".join(map(str, index)), region
+
+
+def unreadable_shards(step_dir: str, paths: Iterable[str],
+                      saved: Mapping[str, Mapping[str, str] | str] | None = None) -> list[tuple[str, str]]:
+    """`(path, region key)` of every shard of the leaves `paths` (`item/a/b`) under `step_dir` whose
+    stored bytes cannot be read: the saved shards (region keys of `saved`, the metadata's digests)
+    that hold such a chunk, or the chunk's own region where nothing was recorded."""
+    by_item: dict[str, list[str]] = {}
+    for path in paths:
+        item, _, rest = path.partition("/")
+        by_item.setdefault(item, []).append(rest)
+    out: list[tuple[str, str]] = []
+    for item, names in by_item.items():
+        try:
+            store = _kvstore(os.path.join(step_dir, item))
+        except Exception:  # noqa: BLE001  (its manifest is gone: every leaf of the item is unreadable)
+            out.extend((f"{item}/{name}", "") for name in names)
+            continue
+        for name in names:
+            path = f"{item}/{name}"
+            key = name.replace("/", ".")
+            recorded = (saved or {}).get(path)
+            shards = [parse_region(k) for k in sorted(recorded)] if isinstance(recorded, Mapping) else []
+            try:
+                spec = json.loads(store.read(f"{key}/.zarray").result().value)
+            except Exception:  # noqa: BLE001
+                out.append((path, region_key(shards[0]) if len(shards) == 1 else ""))
+                continue
+            bad: set[Region] = set()
+            for chunk, region in _chunks(list(spec["shape"]), list(spec["chunks"])):
+                try:
+                    store.read(f"{key}/{chunk}").result()
+                except Exception:  # noqa: BLE001  (a value past the end of its file, a missing file)
+                    hit = [s for s in shards if _intersect(s, region) is not None] if region else shards
+                    bad.update(hit or [region])
+            out.extend((path, region_key(region)) for region in sorted(bad))
+    return out
 
 
 # -- agreement ----------------------------------------------------------------------------------------

@@ -305,6 +305,11 @@ class RunSection:
     project: str = "bdlm"
     checkpoint_every: int = 100
     max_to_keep: int = 2
+    # Periodic checkpoints are written (and their digests computed) on background threads while
+    # training goes on; a step is committed, and listed for a resume, only once whole. The
+    # stage's last save, and one on SIGTERM, still wait until committed. false: every save
+    # stops training until it is written.
+    async_checkpoints: bool = True
     log_every: int = 10
     export: bool = False  # also write each stage's model as a Hugging Face checkpoint (<run>/export/<stage>)
     # Fingerprint fields (e.g. "training.grpo.optim.lr", or a table: "training.grpo") that a

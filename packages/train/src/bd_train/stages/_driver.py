@@ -92,7 +92,8 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
     that started before it."""
     cfg = run.config
     directory = run.where.checkpoint_dir(spec.name)
-    checkpoints = open_checkpoints(directory, create=True, max_to_keep=cfg.run.max_to_keep)
+    checkpoints = open_checkpoints(directory, create=True, max_to_keep=cfg.run.max_to_keep,
+                                   async_save=cfg.run.async_checkpoints)
     history: list[dict[str, float | int]] = []
     overrides: list[dict[str, Any]] = []
     if checkpoints.latest_step() is not None:  # a resumed stage continues its state and its curves
@@ -112,9 +113,14 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
     start = int(state.step)
 
     def save(state: TrainState, final: bool = True) -> None:
+        # A periodic save returns while it is written ([run] async_checkpoints); a final one (the
+        # stage's end, SIGTERM, a simulated failure) returns once it is committed.
+        if final:
+            checkpoints.wait()  # the periodic save of this very step may still be in flight
         if int(state.step) not in checkpoints.all_steps():
             checkpoints.save(state, fingerprints=spec.fingerprints, config=cfg.to_dict(), data_iterator=data,
                              force=True, history=history, overrides=overrides)
+        if final:
             checkpoints.wait()
 
     with tracker_for(run, spec.name) as tracker:

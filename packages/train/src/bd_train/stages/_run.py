@@ -425,9 +425,10 @@ def _special_tokens(file: Path) -> dict[str, str]:
     return named
 
 
-def open_checkpoints(directory: str | Path, *, create: bool, max_to_keep: int | None = 2) -> Checkpointer:
+def open_checkpoints(directory: str | Path, *, create: bool, max_to_keep: int | None = 2,
+                     async_save: bool = False) -> Checkpointer:
     try:
-        return Checkpointer(directory, max_to_keep=max_to_keep, create=create)
+        return Checkpointer(directory, max_to_keep=max_to_keep, create=create, async_save=async_save)
     except CheckpointError as err:
         raise StageError(str(err)) from None
 
