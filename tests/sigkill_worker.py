@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import tomllib
 from pathlib import Path
 
@@ -99,6 +100,26 @@ def main(case: Path, processes: int = 1, suffix: str = "") -> None:
     (case / f"done{suffix}.json").write_text(json.dumps(summary))
 
 
+def _stall(spec: str, case: Path, index: int) -> None:
+    """`BDLM_TEST_STALL=<stage>:<step>:<process>`: that process hangs for good at the start of the
+    stage's update after `step` (its heartbeat goes on), for the progress watchdog to find; it
+    writes `<case dir>/stalled-<process>` as it begins."""
+    stage, step, process = spec.split(":")
+    if int(process) != index:
+        return
+    from bd_train._watchdog import Watchdog
+
+    mark = Watchdog.mark
+
+    def stalling(self: Watchdog, phase: str, at: int) -> None:
+        mark(self, phase, at)
+        if (self.stage, phase, at) == (stage, "update", int(step)):
+            (case / f"stalled-{index}").touch()
+            threading.Event().wait()
+
+    Watchdog.mark = stalling  # type: ignore[method-assign]
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 2:
         main(Path(sys.argv[1]).resolve())
@@ -106,6 +127,8 @@ if __name__ == "__main__":
         from bd_train.distributed import ProcessGroup, initialize, shutdown
 
         coordinator, count, index = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+        if os.environ.get("BDLM_TEST_STALL"):
+            _stall(os.environ["BDLM_TEST_STALL"], Path(sys.argv[1]).resolve(), index)
         initialize(ProcessGroup(coordinator, count, index), cpu_devices=1)
         main(Path(sys.argv[1]).resolve(), count, f"-{index}")
         shutdown()

@@ -1,6 +1,12 @@
 """A two-process group running the stage chain (`sigkill_worker.py`, the mesh's data axis over the
 group) meets what a cluster does to one of its processes, and resumes:
 
+- SIGKILL of process 0, which starts the group's coordination service, inside the teacher's SFT:
+  process 1 stops within the group's `BDLM_LOST_AFTER_S` (plus a margin) with bdlm's message
+  naming process 0, not JAX's abort;
+- process 1 hangs inside a teacher's SFT update while its heartbeat goes on: the progress
+  watchdog ends both processes with exit 75, each leaving every thread's stack in the run folder
+  and a line naming the stage, the step and process 1;
 - SIGTERM to one process only (a preempted VM) inside the student's SFT: the whole group saves the
   same step and stops;
 - SIGKILL of process 1 while OPD writes a checkpoint, and again inside a GRPO update: process 0
@@ -51,24 +57,47 @@ LOST_AFTER = 5  # seconds of silence before the group gives a process up (defaul
 MARGIN = 30  # from the kill to the survivor's exit, beyond LOST_AFTER: a loaded 2-core host
 
 
+STALL = "sft-teacher:5:1"  # process 1 hangs in the teacher's update after step 5 (saves at 2, 4, 6)
+STALL_FACTOR, STALL_FLOOR = 3, 10  # the watchdog's allowance in that attempt: max(3 x median, 10 s)
+
+
 @dataclasses.dataclass(frozen=True)
 class Fault:
+    """`signal` to process `victim` once `kill.when(case)` holds; without a signal, the fault is
+    the attempt's own (`env`), and `kill.when` only says when it began."""
+
     kill: Kill
-    signal: signal.Signals
+    signal: signal.Signals | None
+    victim: int | None = 1
+    env: tuple[tuple[str, str], ...] = ()
+
+
+def _inside_sft_teacher(case: Path) -> bool:  # a periodic save of the teacher's SFT, not its last
+    steps = _h._steps(case, "sft-teacher")
+    return bool(steps) and steps[-1] < _last_step("sft-teacher")
+
+
+def _stalled(case: Path) -> bool:
+    return (case / f"stalled-{STALL.split(':')[2]}").exists()
 
 
 FAULTS = (
+    Fault(Kill("sigkill-coordinator-inside-sft-teacher", _inside_sft_teacher), signal.SIGKILL, victim=0),
+    Fault(Kill("stall-one-inside-sft-teacher", _stalled), None, victim=None,
+          env=(("BDLM_TEST_STALL", STALL), ("BDLM_STALL_FACTOR", str(STALL_FACTOR)),
+               ("BDLM_STALL_FLOOR_S", str(STALL_FLOOR)))),
     Fault(Kill("sigterm-to-one-inside-sft", _inside_sft), signal.SIGTERM),
     Fault(Kill("sigkill-one-during-opd-save", _opd_saving), signal.SIGKILL),
     Fault(Kill("sigkill-one-inside-grpo", _inside_grpo), signal.SIGKILL),
 )
+NAMES = [f.kill.name for f in FAULTS]
 
 
 @dataclasses.dataclass
 class Attempt:
     fault: str | None
     returncodes: list[int]
-    survivor_seconds: float | None  # from the fault to process 0's exit
+    survivor_seconds: float | None  # from the fault to the last exit of a process it did not hit
     restored: list[dict[str, int]]  # per process: the step each stage continued from
     logs: list[str]
     after_fault: dict[str, list[str]] | None = None
@@ -79,8 +108,9 @@ def _log(case: Path, index: int) -> Path:
 
 
 def _attempt(case: Path, env: dict[str, str], fault: Fault | None = None) -> Attempt:
-    """The group on `case`; with `fault`, its signal to process 1 once `fault.kill.when(case)`
-    holds, then both processes are waited for (process 0 on its own)."""
+    """The group on `case`; with `fault`, its signal to its victim once `fault.kill.when(case)`
+    holds, then both processes are waited for (the others on their own)."""
+    env = {**env, **dict(fault.env)} if fault is not None else env
     case.mkdir(parents=True, exist_ok=True)
     seen = [len(p.read_text().splitlines()) if p.exists() else 0
             for p in (case / f"restores-{i}.jsonl" for i in range(PROCESSES))]
@@ -97,10 +127,14 @@ def _attempt(case: Path, env: dict[str, str], fault: Fault | None = None) -> Att
             now = time.monotonic()
             if now - begun > ATTEMPT_TIMEOUT:
                 pytest.fail(f"{case}: an attempt (fault: {fault and fault.kill.name}) ran over {ATTEMPT_TIMEOUT} s")
-            if fault is not None and faulted is None and procs[1].poll() is None and fault.kill.when(case):
-                procs[1].send_signal(fault.signal)
+            victim = None if fault is None or fault.victim is None else procs[fault.victim]
+            others = [p for p in procs if p is not victim]
+            if fault is not None and faulted is None and (victim is None or victim.poll() is None) \
+                    and fault.kill.when(case):
+                if victim is not None and fault.signal is not None:
+                    victim.send_signal(fault.signal)
                 faulted = now
-            if faulted is not None and survivor is None and procs[0].poll() is not None:
+            if faulted is not None and survivor is None and all(p.poll() is not None for p in others):
                 survivor = now - faulted
             time.sleep(0.005)
         if faulted is not None and survivor is None:
@@ -153,9 +187,17 @@ def faulted(tmp_path_factory, reference, group_env) -> tuple[Path, list[Attempt]
     return case, attempts
 
 
+def _left(attempt: Attempt) -> dict[str, int]:
+    """The latest complete step of each stage once the fault had struck (a temp folder is no step)."""
+    assert attempt.after_fault is not None
+    return {stage: max(int(n) for n in names if n.isdigit()) for stage, names in attempt.after_fault.items()
+            if any(n.isdigit() for n in names)}
+
+
 def test_sigterm_to_one_process_stops_the_whole_group_at_one_saved_step(faulted):
     case, attempts = faulted
-    attempt = attempts[0]
+    index = NAMES.index("sigterm-to-one-inside-sft")
+    attempt = attempts[index]
     assert attempt.after_fault is not None, "the SIGTERM was never sent"
     stopped = [[line for line in log.splitlines() if line.startswith("bd_train.stages._run.StageError: sft-student: "
                                                                       "stopped by SIGTERM at step ")]
@@ -164,23 +206,48 @@ def test_sigterm_to_one_process_stops_the_whole_group_at_one_saved_step(faulted)
     steps = {line.split("stopped by SIGTERM at step ")[1].split(";")[0] for lines in stopped for line in lines}
     assert len(steps) == 1, f"the processes stopped at different steps: {steps}"
     assert attempt.returncodes == [1, 1]
-    assert attempts[1].restored[0]["sft-student"] == attempts[1].restored[1]["sft-student"] == int(steps.pop())
+    rerun = attempts[index + 1]
+    assert rerun.restored[0]["sft-student"] == rerun.restored[1]["sft-student"] == int(steps.pop())
 
 
-@pytest.mark.parametrize("index", [1, 2], ids=[f.kill.name for f in FAULTS[1:]])
-def test_a_killed_process_ends_the_group_soon_with_what_to_do(faulted, index):
+@pytest.mark.parametrize("name", [f.kill.name for f in FAULTS if f.signal == signal.SIGKILL])
+def test_a_killed_process_ends_the_group_soon_with_what_to_do(faulted, name):
     case, attempts = faulted
-    attempt, rerun = attempts[index], attempts[index + 1]
-    assert attempt.after_fault is not None, f"{attempt.fault}: the kill point was never seen"
-    assert attempt.returncodes[1] == -signal.SIGKILL, f"{attempt.fault}: process 1 ended before the kill landed"
-    assert attempt.returncodes[0] == EXIT_LOST, attempt.logs[0][-3000:]
+    index = NAMES.index(name)
+    fault, attempt, rerun = FAULTS[index], attempts[index], attempts[index + 1]
+    assert attempt.after_fault is not None, f"{name}: the kill point was never seen"
+    victim, survivor = fault.victim, 1 - fault.victim
+    assert attempt.returncodes[victim] == -signal.SIGKILL, f"{name}: process {victim} ended before the kill landed"
+    assert attempt.returncodes[survivor] == EXIT_LOST, attempt.logs[survivor][-3000:]
     assert attempt.survivor_seconds is not None and attempt.survivor_seconds <= LOST_AFTER + MARGIN
-    message = [line for line in attempt.logs[0].splitlines() if line.startswith("bdlm: process 1 ")]
-    assert len(message) == 1 and "is lost" in message[0] and "`resume`" in message[0], attempt.logs[0][-2000:]
+    # process 0 starts the coordination service: its death too ends the other with bdlm's line
+    message = [line for line in attempt.logs[survivor].splitlines() if line.startswith(f"bdlm: process {victim} ")]
+    assert len(message) == 1 and "is lost" in message[0] and "`resume`" in message[0], attempt.logs[survivor][-2000:]
+    assert "JAX distributed service detected fatal errors" not in attempt.logs[survivor]
     # the rerun continues every stage from the latest complete step the kill left
-    left = {stage: max(int(n) for n in names if n.isdigit()) for stage, names in attempt.after_fault.items()
-            if any(n.isdigit() for n in names)}
-    assert rerun.restored == [left, left], f"{attempt.fault}: the rerun restored {rerun.restored}, the kill left {left}"
+    assert rerun.restored == [_left(attempt)] * PROCESSES, f"{name}: the rerun restored {rerun.restored}"
+
+
+def test_a_stalled_process_ends_the_group_with_every_stack(faulted):
+    case, attempts = faulted
+    index = NAMES.index("stall-one-inside-sft-teacher")
+    attempt, rerun = attempts[index], attempts[index + 1]
+    assert attempt.after_fault is not None, "the stall never began"
+    assert attempt.returncodes == [EXIT_LOST] * PROCESSES, attempt.logs[0][-3000:] + attempt.logs[1][-3000:]
+    stage, step, slow = STALL.split(":")
+    for i, log in enumerate(attempt.logs):
+        lines = [line for line in log.splitlines() if line.startswith(f"bdlm: {stage} made no progress for ")]
+        assert len(lines) == 1, log[-3000:]
+        assert f" at step {step} " in lines[0] and f"the slowest: process {slow} " in lines[0], lines[0]
+        assert "`resume`" in lines[0]
+        allowed = float(lines[0].split("the median update ")[1].split(" s")[0]) * STALL_FACTOR
+        assert attempt.survivor_seconds is not None
+        assert attempt.survivor_seconds <= max(allowed, STALL_FLOOR) + MARGIN
+        stacks = case / "runs" / "pipeline" / _h.worker.RUN_ID / "stacks" / f"{stage}-process{i}.txt"
+        assert str(stacks) in lines[0] and stacks.is_file()
+        text = stacks.read_text()
+        assert "most recent call first" in text and "run_updates" in text, text[:2000]
+    assert rerun.restored == [_left(attempt)] * PROCESSES, f"the rerun restored {rerun.restored}"
 
 
 @pytest.mark.parametrize("stage", STAGES)

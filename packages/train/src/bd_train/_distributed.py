@@ -9,10 +9,15 @@ host gone), or loses the coordinator, prints one message that names it and says 
 exits with `EXIT_LOST`. A collective that waits on the lost process cannot be interrupted any
 other way, and JAX's own end (its coordination service aborting with a C++ fatal error after
 its heartbeat timeout) says nothing of what to do; its timeouts are set longer than the watch's
-so the watch speaks first. One case is JAX's alone: when process 0, which hosts the coordination
-service, dies, the others' JAX clients abort them at once (within a second) with JAX's message
-("the JAX distributed service detected fatal errors"). Nothing half-written is ever restored:
-checkpoints are atomic.
+so the watch speaks first. Process 0 starts JAX's coordination service in a child process of its
+own (`_coordinator`), not inside itself as `jax.distributed.initialize` would: when process 0
+dies, the service lives on, so the others see process 0 stop beating like any other and stop
+with bdlm's message (measured: within `lost_after_s` + 1 s), instead of being aborted by their
+JAX clients within a second with JAX's message ("the JAX distributed service detected fatal
+errors"). Only the loss of the service's own process (process 0's host gone, or the service
+killed) still ends the others through JAX's abort. Nothing half-written is ever restored:
+checkpoints are atomic. A step that stops making progress while every heartbeat goes on is the
+progress watchdog's (`_watchdog`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import threading
 import time
 
 import jax
+
+from ._coordinator import ServiceHost
 
 COORDINATOR_ENV = "BDLM_COORDINATOR_ADDRESS"
 NUM_PROCESSES_ENV = "BDLM_NUM_PROCESSES"
@@ -98,12 +105,45 @@ def initialize(group: ProcessGroup | None = None, *, cpu_devices: int | None = N
     except RuntimeError as err:  # the backend already exists: too late to change the devices
         raise DistributedError(f"initialize must run before any JAX computation in this process ({err})") from None
     if group.num_processes > 1 and not jax.distributed.is_initialized():
-        jax.distributed.initialize(group.coordinator_address, group.num_processes, group.process_id,
-                                   initialization_timeout=timeout_s,
-                                   heartbeat_timeout_seconds=int(2 * lost_after) + 10,
-                                   shutdown_timeout_seconds=int(2 * lost_after) + 10)
+        jax_timeout = int(2 * lost_after) + 10  # JAX's own ends come after the watch's (see the docstring)
+        if group.process_id == 0:
+            _start_service(group, jax_timeout, timeout_s)
+        _connect(group, init_timeout=timeout_s, heartbeat_timeout=jax_timeout)
         _start_watch(group, lost_after)
     return group
+
+
+_SERVICE: ServiceHost | None = None
+
+
+def _start_service(group: ProcessGroup, jax_timeout: int, timeout_s: int) -> None:
+    global _SERVICE
+    assert group.coordinator_address is not None
+    port = group.coordinator_address.rsplit(":", 1)[1]
+    bind_address = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", f"[::]:{port}")  # as JAX binds it
+    # It lingers as long as JAX's heartbeat timeout: by then the others have stopped on the watch.
+    _SERVICE = ServiceHost.start(bind_address, group.num_processes, heartbeat_s=jax_timeout, shutdown_s=jax_timeout,
+                                 linger_s=jax_timeout, timeout_s=timeout_s)
+
+
+def _connect(group: ProcessGroup, *, init_timeout: int, heartbeat_timeout: int) -> None:
+    """What `jax.distributed.initialize` (jax 0.10.2, `State.initialize`) does on every process, except
+    hosting the coordination service: process 0 connects to `ServiceHost`'s like the others."""
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    if xla_bridge.backends_are_initialized():
+        raise DistributedError("initialize must run before any JAX computation in this process (a backend exists)")
+    state = distributed.global_state
+    state.coordinator_address, state.process_id, state.num_processes = (group.coordinator_address, group.process_id,
+                                                                        group.num_processes)
+    state.client = _jax.get_distributed_runtime_client(group.coordinator_address, group.process_id,
+                                                       init_timeout=init_timeout, use_compression=True,
+                                                       heartbeat_timeout=heartbeat_timeout)
+    state.client.connect()
+    state.initialize_preemption_sync_manager()
+    partition = os.environ.get("JAX_PARTITION_INDEX")
+    state.partition_index = None if partition is None else int(partition)
 
 
 def _lost(group: ProcessGroup, process: int | None, why: str) -> None:
@@ -203,9 +243,12 @@ def _start_watch(group: ProcessGroup, lost_after: float) -> None:
 
 def shutdown() -> None:
     """Leave the process group (a no-op for a single process)."""
-    global _WATCH
+    global _WATCH, _SERVICE
     if _WATCH is not None:
         _WATCH.leave()
         _WATCH = None
     if jax.distributed.is_initialized():
         jax.distributed.shutdown()
+    if _SERVICE is not None:  # after every client's shutdown barrier: nobody needs the service now
+        _SERVICE.stop()
+        _SERVICE = None

@@ -56,23 +56,33 @@ def _agreed(stop: bool) -> bool:
 def run_updates(state: TrainState, num_steps: int, update: Callable[[TrainState], tuple[TrainState, Any]], *,
                 save: Callable[[TrainState, bool], None],
                 on_update: Callable[[TrainState, Any], None] | None = None,
-                save_every: int | None = None, handle_sigterm: bool = True) -> tuple[TrainState, bool]:
+                save_every: int | None = None, handle_sigterm: bool = True,
+                progress: Callable[[str, int], None] | None = None) -> tuple[TrainState, bool]:
     """The loop every training driver here shares. Runs `update(state) -> (state, metrics)` until
     `state.step >= num_steps`, calling `on_update(state, metrics)` after each. `save(state, final)`
     runs when an update crosses a multiple of `save_every` (final=False), at the end, and when
     SIGTERM reached any process (final=True); after a SIGTERM it returns at once with
-    `preempted=True`. Returns `(state, preempted)`."""
+    `preempted=True`. `progress(phase, step)` hears where the loop is, for a watchdog: "update"
+    and "dispatched" around `update` (with the step before it), "done" after `on_update` and
+    "saving" before a save (with the step reached). Returns `(state, preempted)`."""
+    mark = progress or (lambda phase, step: None)
     with _StopFlag(handle_sigterm) as flag:
         while int(state.step) < num_steps:
             before = int(state.step)
+            mark("update", before)
             state, metrics = update(state)
+            mark("dispatched", before)
             if on_update is not None:
                 on_update(state, metrics)
+            mark("done", int(state.step))
             if _agreed(flag.stop):
+                mark("saving", int(state.step))
                 save(state, True)
                 return state, True
             if save_every and int(state.step) // save_every > before // save_every:
+                mark("saving", int(state.step))
                 save(state, False)
+    mark("saving", int(state.step))
     save(state, True)
     return state, False
 

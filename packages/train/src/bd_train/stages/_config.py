@@ -316,6 +316,19 @@ class RunSection:
     # resumed stage may find changed; each accepted change is printed and recorded in the
     # checkpoints' `overrides`. Anything else that differs is refused by field name.
     allow_changes: tuple[str, ...] = ()
+    # The progress watchdog of a multi-process run: an update loop (update or save) that makes no
+    # progress for max(stall_factor x the median update time, stall_floor_s) dumps every thread's
+    # stack into <run>/stacks/, names the slowest process and exits 75 (resume continues).
+    # stall_factor = 0 turns it off; BDLM_STALL_FACTOR / BDLM_STALL_FLOOR_S override both.
+    stall_factor: float = 10.0
+    stall_floor_s: float = 300.0
+
+    def __post_init__(self):
+        if self.stall_factor != 0 and not self.stall_factor >= 2:
+            raise config_error("", "stall_factor", self.stall_factor,
+                               "0 (no watchdog) or at least 2 (an update may take twice the median on a busy host)")
+        if not self.stall_floor_s >= 1:
+            raise config_error("", "stall_floor_s", self.stall_floor_s, "at least 1 second")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The one driver every stage recipe calls: `drive(run, spec, state, step_fn, data)` resumes the
 stage from its latest checkpoint, runs `step_fn` to `spec.total` updates with periodic saves,
-SIGTERM handling, W&B tracking and a progress bar, evaluates on the held-out split (greedy,
-pass@k and accuracy vs NFE, as `[eval]` asks), and returns the stage's small `StageResult`.
+SIGTERM handling, the group's progress watchdog, W&B tracking and a progress bar, evaluates on
+the held-out split (greedy, pass@k and accuracy vs NFE, as `[eval]` asks), and returns the
+stage's small `StageResult`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -21,6 +23,7 @@ from bd_models import count_params, merge
 
 from .._checkpoint import CheckpointError
 from .._loop import run_updates
+from .._watchdog import StallPolicy, watch_progress
 from ._evaluate import Evaluation, eval_examples, evaluate_report
 from ._plots import curves_png
 from ._run import Run, StageError, open_checkpoints
@@ -158,8 +161,11 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
 
         with mesh_scope(spec.mesh):
             try:
-                state, preempted = run_updates(state, spec.total, lambda s: step_fn(s, int(s.step)), save=save,
-                                               on_update=on_update, save_every=cfg.run.checkpoint_every)
+                policy = StallPolicy.resolve(cfg.run.stall_factor, cfg.run.stall_floor_s)
+                with watch_progress(spec.name, policy, Path(run.where.run_dir) / "stacks") as mark:
+                    state, preempted = run_updates(state, spec.total, lambda s: step_fn(s, int(s.step)), save=save,
+                                                   on_update=on_update, save_every=cfg.run.checkpoint_every,
+                                                   progress=mark)
             finally:
                 if bar is not None:
                     bar.close()
