@@ -41,3 +41,22 @@ def child_xla_flags() -> str:
     """`XLA_FLAGS` for a process a test starts: this session's flags without the virtual device
     count (a child sets its own, or runs on one device)."""
     return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICES_FLAG))
+
+
+# Test files that take minutes (measured: seconds of one run, 2 workers on 2 cores), started
+# first: pytest-xdist hands out whole files (`--dist loadfile`) in collection order
+# (`--no-loadscope-reorder`; its default orders by test count, which left single-test chains of
+# minutes for the end, with one worker idle). Longest first keeps both workers busy to the end.
+SLOW_FILES = {
+    "tests/test_pipeline.py": 435, "tests/test_group_faults.py": 430, "packages/train/tests/test_plan.py": 276,
+    "tests/test_stages_mesh.py": 165, "packages/train/tests/test_distributed.py": 154,
+    "tests/test_parallel_flow.py": 153, "tests/test_guides.py": 150, "packages/train/tests/test_trainer.py": 116,
+    "packages/models/tests/test_sampler.py": 77, "tests/test_sigkill.py": 72, "packages/models/tests/test_lora.py": 66,
+    "packages/models/tests/test_attention.py": 64, "packages/train/tests/test_learning.py": 55,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    root = str(config.rootpath)
+    weight = {os.path.join(root, path): seconds for path, seconds in SLOW_FILES.items()}
+    items.sort(key=lambda item: -weight.get(str(item.path), 0))  # stable: the rest keep their order
