@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
     # must not end the service while the trainers still save their last checkpoint through it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from jaxlib import _jax  # the service alone: no backend, no devices (and jax's import is 1 s more)
+    from jaxlib import _jax  # pyright: ignore[reportAttributeAccessIssue]  (the service alone: no backend)
 
     try:
         service = _jax.get_distributed_runtime_service(bind_address, int(num_processes),

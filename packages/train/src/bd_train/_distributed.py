@@ -137,10 +137,11 @@ def _connect(group: ProcessGroup, *, init_timeout: int, heartbeat_timeout: int) 
     state = distributed.global_state
     state.coordinator_address, state.process_id, state.num_processes = (group.coordinator_address, group.process_id,
                                                                         group.num_processes)
-    state.client = _jax.get_distributed_runtime_client(group.coordinator_address, group.process_id,
-                                                       init_timeout=init_timeout, use_compression=True,
-                                                       heartbeat_timeout=heartbeat_timeout)
-    state.client.connect()
+    client = _jax.get_distributed_runtime_client(group.coordinator_address, group.process_id,
+                                                 init_timeout=init_timeout, use_compression=True,
+                                                 heartbeat_timeout=heartbeat_timeout)
+    state.client = client
+    client.connect()
     state.initialize_preemption_sync_manager()
     partition = os.environ.get("JAX_PARTITION_INDEX")
     state.partition_index = None if partition is None else int(partition)
