@@ -41,3 +41,31 @@ def child_xla_flags() -> str:
     """`XLA_FLAGS` for a process a test starts: this session's flags without the virtual device
     count (a child sets its own, or runs on one device)."""
     return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICES_FLAG))
+
+
+HUB_FIXTURES = os.path.join(os.path.dirname(__file__), "packages", "models", "tests", "fixtures", "hf")
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An offline Hugging Face Hub cache in the Hub library's own layout
+    (`models--ORG--NAME/snapshots/<commit>/`, `refs/<branch>`), filled from the committed fixture
+    checkpoints: `hub_cache(folder, repo_id, commit, refs=("main",))` adds a snapshot; the
+    environment points `HF_HUB_CACHE` at it with `HF_HUB_OFFLINE=1`."""
+    import shutil
+
+    root = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def add(folder: str, repo_id: str, commit: str, refs=("main",)):
+        repo = root / f"models--{repo_id.replace('/', '--')}"
+        snapshot = repo / "snapshots" / commit
+        shutil.copytree(os.path.join(HUB_FIXTURES, folder), snapshot,
+                        ignore=shutil.ignore_patterns("reference.npz", "config.v4.json"))
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        for ref in refs:
+            (repo / "refs" / ref).write_text(commit)
+        return snapshot
+
+    return add

@@ -12,6 +12,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from bd_core import is_repo_id, resolve_pretrained
+
 
 class TokenizerError(ValueError):
     """A tokenizer that cannot be loaded or lacks a special token the canvas needs."""
@@ -101,7 +103,8 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A local HF `tokenizer.json`; the identity carries a hash of the file's bytes.
+    """A HF `tokenizer.json` (its path, a checkpoint folder that holds it, or a Hub repo id at
+    `revision`); the identity carries a hash of the file's bytes.
 
     `mask_token` and `eos_token` must be in the vocabulary; `pad_token` falls back to the mask token
     when the file has none (padding is always marked invalid, so its id only has to be one that is
@@ -112,10 +115,14 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str | Path, *, mask_token: str = "<|mask|>", eos_token: str = "<|endoftext|>",
-                 pad_token: str | None = "<|pad|>", add_mask_token: bool = False):
+                 pad_token: str | None = "<|pad|>", add_mask_token: bool = False, revision: str | None = None):
         from tokenizers import Tokenizer as _HF
 
+        if is_repo_id(path) or revision is not None:  # a Hub repo id: its tokenizer.json from the Hub cache
+            path = resolve_pretrained(path, revision).folder
         path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(
                 f"tokenizer file {str(path)!r} does not exist; pass the path of a local tokenizer.json "

@@ -140,7 +140,7 @@ class Run:
         """The byte tokenizer, the configured tokenizer.json, or the pretrained checkpoint's own
         (the student's, else the teacher's), with its special tokens from its tokenizer_config.json."""
         section = self.config.tokenizer
-        folders = [getattr(self.config, role).pretrained for role in ("student", "teacher")]
+        folders = [getattr(self.config, role).folder for role in ("student", "teacher")]
         path = section.path or next((str(Path(f) / "tokenizer.json") for f in folders if f), None)
         if path is None:
             return ByteTokenizer()
@@ -197,9 +197,9 @@ class Run:
         """How a pretrained role's checkpoint is read: the canvas's block size, the vocabulary grown
         to the tokenizer's (an added mask token), the section's dtypes and execution fields."""
         section = getattr(self.config, role)
-        raw = read_hf_config(section.pretrained)
+        raw = read_hf_config(section.folder)
         kwargs = section.model_kwargs()
-        return dict(raw=raw, where=str(Path(section.pretrained) / "config.json"),
+        return dict(raw=raw, where=str(Path(section.folder) / "config.json"),
                     block_size=self.config.canvas.block_size,
                     vocab_size=max(int(raw.get("vocab_size", 0)), self.tokenizer.vocab_size),
                     **{k: kwargs[k] for k in ("param_dtype", "compute_dtype", "attention", "remat")},
@@ -235,11 +235,14 @@ class Run:
     def _identity(self, role: str) -> Fingerprint:
         tok, canvas = self.tokenizer, self.config.canvas
         architecture = {k: v for k, v in self.model_config(role).to_dict().items() if k not in EXECUTION_FIELDS}
-        pretrained = getattr(self.config, role).pretrained
+        section = getattr(self.config, role)
+        pretrained, source = section.folder, section.source
         extra: dict[str, Any] = {"pad_id": tok.pad_id, "eos_id": tok.eos_id, "prompt_len": canvas.prompt_len,
                  "max_new_tokens": canvas.max_new_tokens}
         if pretrained:  # where the weights started: the checkpoint's config and tensor headers
             extra["pretrained"] = checkpoint_digest(pretrained)
+        if source is not None and source.repo_id is not None:  # and which Hub commit they came from
+            extra["pretrained_source"] = source.to_dict()
         return model_identity(architecture, tokenizer=tok.identity, vocab_size=tok.vocab_size, mask_id=tok.mask_id,
                               block_size=canvas.block_size, canvas_policy=canvas.policy, alignment="target",
                               extra=extra)
@@ -299,11 +302,11 @@ class Run:
                                        what=f"the {start[0]} checkpoint SFT starts from", mesh=mesh)
             state = TrainState.init(model, optimizer, key=jax.random.split(key)[1])
             return state if mesh is not None else committed(state)
-        if not getattr(self.config, role).pretrained:
+        if not getattr(self.config, role).folder:
             return self.fresh_state(model_config, optimizer, key=key, mesh=mesh)
         model = self.pretrained_model(role, mesh=mesh)
         if model.config != model_config:
-            raise StageError(f"{role}: the model read from {getattr(self.config, role).pretrained} is not the "
+            raise StageError(f"{role}: the model read from {getattr(self.config, role).folder} is not the "
                              f"configured one ({model.config} vs {model_config})")
         lora = self.lora(role, "sft")
         if lora is not None:
@@ -338,7 +341,7 @@ class Run:
     def pretrained_model(self, role: str, *, mesh: jax.sharding.Mesh | None = None) -> BlockDiffusionLM:
         """The role's pretrained checkpoint as configured: the canvas's block size, the tokenizer's
         vocabulary (an added mask token's row is the mean of the tokens' rows), the section's dtypes."""
-        folder = getattr(self.config, role).pretrained
+        folder = getattr(self.config, role).folder
         if not folder:
             raise StageError(f"{role}: no pretrained checkpoint is configured ([{role}] pretrained)")
         kwargs = {k: v for k, v in self._pretrained_kwargs(role).items() if k not in ("raw", "where")}
@@ -351,11 +354,14 @@ class Run:
         tokenizer as used."""
         model = merge(model)
         folder = Path(self.where.run_dir) / "export" / stage
-        source = getattr(self.config, role).pretrained
-        base = dict(read_hf_config(source)) if source else {}
+        section = getattr(self.config, role)
+        base = dict(read_hf_config(section.folder)) if section.folder else {}
         tok = self.tokenizer
         base.update(mask_token_id=tok.mask_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-        save_pretrained(model, folder, base_config=base)
+        source = {"stage": stage, "role": role, "run": str(self.where.run_dir)}
+        if section.source is not None:
+            source["pretrained"] = section.source.to_dict()
+        save_pretrained(model, folder, base_config=base, source=source)
         if jax.process_index() == 0 and isinstance(tok, HFTokenizer):
             tok.save(folder / "tokenizer.json")
             names = {"mask_token": tok.token(tok.mask_id), "eos_token": tok.token(tok.eos_id)}
