@@ -147,7 +147,7 @@ class ModelSection:
             from bd_models import model_config_from_hf, read_hf_config
 
             try:  # the folder (a Hub repo resolved through its cache), config.json and architecture, checked now
-                folder = self.folder
+                folder = str(_resolve(self.pretrained, self.revision).folder)
                 model_config_from_hf(read_hf_config(folder), block_size=1, where=str(Path(folder) / "config.json"))
             except ConfigError as err:
                 raise ConfigError(f"pretrained: {err}") from None
