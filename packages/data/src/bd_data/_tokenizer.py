@@ -6,6 +6,7 @@ that goes into model fingerprints, so a checkpoint cannot be reused with a diffe
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -180,6 +181,27 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         _utf8(text)
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    @functools.cached_property
+    def _markup(self):
+        # A second copy that matches special-token text: flipping `encode_special_tokens` on the
+        # shared one would race with data encoded on other threads.
+        from tokenizers import Tokenizer as _HF
+
+        tok = _HF.from_str(self._tok.to_str())
+        tok.encode_special_tokens = False
+        return tok
+
+    def encode_markup(self, text: str) -> np.ndarray:
+        """Ids of markup a chat template wrote: special-token text becomes the special ids (which
+        `encode` never does; data text stays text)."""
+        _utf8(text)
+        return np.asarray(self._markup.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    @functools.cached_property
+    def special_texts(self) -> tuple[str, ...]:
+        """The text of every special added token (what `encode_markup` turns into ids and `encode` does not)."""
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
 
     def token(self, token_id: int) -> str | None:
         """The token text of an id (special tokens included)."""
