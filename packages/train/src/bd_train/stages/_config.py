@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bd_core import ConfigError, PretrainedSource, config_error, resolve_pretrained
-from bd_data import CanvasConfig, CorruptionConfig
+from bd_data import CanvasConfig, ChatTemplate, ChatTemplateError, CorruptionConfig, load_chat_template
 
 from ._config_io import build, to_dict
 
@@ -53,8 +53,17 @@ class TaskSection:
     train_jsonl: str | None = None
     eval_jsonl: str | None = None
     overlong: Literal["error", "truncate", "skip"] = "error"
+    # Render every prompt (SFT, OPD, GRPO, evaluation) as a user turn through a chat template:
+    # true = the tokenizer's own (the `chat_template` of the tokenizer_config.json beside its
+    # tokenizer.json, or a chat_template.jinja file there), or the path of a Jinja template file.
+    # The template's markup becomes special tokens; the prompt stays text. Its text is pinned in
+    # the stages' checkpoints (training.chat_template).
+    chat_template: bool | str = False
 
     def __post_init__(self):
+        if isinstance(self.chat_template, str) and not Path(self.chat_template).is_file():
+            raise ConfigError(f"chat_template: file {self.chat_template!r} does not exist; give the path of a Jinja "
+                              f"chat template file, true for the tokenizer's own template, or false")
         for name in ("train_jsonl", "eval_jsonl"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
@@ -379,10 +388,27 @@ class PipelineConfig:
             if "sft" in lora.stages and section.checkpoint is not None:
                 raise ConfigError(f"{role}.lora.stages: 'sft' is listed but the {role} adopts the finished SFT "
                                   f"checkpoint {section.checkpoint!r} (nothing trains there); drop 'sft'")
+        if self.task.chat_template is not False:
+            try:
+                self.chat_template()
+            except ChatTemplateError as err:
+                raise ConfigError(f"task.chat_template: {err}") from None
         if self.canvas.policy != "block_aligned":
             raise ConfigError("canvas.policy: the pipeline's rollouts (OPD, GRPO, eval) decode on the block-aligned "
                               "canvas; use policy = 'block_aligned' (the contiguous canvas is for bd_data's SFT "
                               "pipelines on their own)")
+
+    @property
+    def tokenizer_file(self) -> str | None:
+        """The tokenizer.json in use: `[tokenizer] path`, else the pretrained student's (or
+        teacher's) own; None for the byte tokenizer."""
+        folders = [getattr(self, role).folder for role in ("student", "teacher")]
+        return self.tokenizer.path or next((str(Path(f) / "tokenizer.json") for f in folders if f), None)
+
+    def chat_template(self) -> ChatTemplate | None:
+        """`[task] chat_template` loaded (`bd_data.ChatTemplate`), or None when it is off."""
+        file = self.tokenizer_file
+        return load_chat_template(self.task.chat_template, None if file is None else Path(file).parent)
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

@@ -18,6 +18,8 @@ import jax
 from bd_core import Fingerprint, FingerprintMismatch, fingerprint
 from bd_data import (
     ByteTokenizer,
+    ChatSource,
+    ChatTemplate,
     Example,
     HFTokenizer,
     get_task,
@@ -140,8 +142,7 @@ class Run:
         """The byte tokenizer, the configured tokenizer.json, or the pretrained checkpoint's own
         (the student's, else the teacher's), with its special tokens from its tokenizer_config.json."""
         section = self.config.tokenizer
-        folders = [getattr(self.config, role).folder for role in ("student", "teacher")]
-        path = section.path or next((str(Path(f) / "tokenizer.json") for f in folders if f), None)
+        path = self.config.tokenizer_file
         if path is None:
             return ByteTokenizer()
         named = _special_tokens(Path(path).parent / "tokenizer_config.json")
@@ -154,13 +155,21 @@ class Run:
         task = self.config.task
         return None if task.train_jsonl else get_task(task.name, seed=task.seed, **task.params)
 
+    @functools.cached_property
+    def chat_template(self) -> ChatTemplate | None:
+        """`[task] chat_template` (a `bd_data.ChatTemplate`), or None when prompts are fed raw."""
+        return self.config.chat_template()
+
     def source(self, split: str):
+        """The split's examples; with a chat template their `prompt_ids` are the rendered prompt's
+        (which every stage's batches and the evaluation use), their text stays the raw prompt."""
         task = self.config.task
         if self.task is None:  # the user's JSONL files (the config requires both)
             path = task.train_jsonl if split == "train" else task.eval_jsonl
             return load_jsonl(cast(str, path), tokenizer=self.tokenizer, canvas=self.config.canvas,
-                              overlong=task.overlong)
-        return self.task.dataset(split)
+                              overlong=task.overlong, chat_template=self.chat_template)
+        source = self.task.dataset(split)
+        return source if self.chat_template is None else ChatSource(source, self.chat_template, self.tokenizer)
 
     # A step's batch is built whole on every process (shard 0 of 1): it then depends on the seed
     # alone, not on how many processes run, and placing it on the mesh keeps each process's rows.
@@ -250,11 +259,17 @@ class Run:
     def training(self, stage: str) -> Fingerprint:
         """What defines a stage's training beyond the model: the task, the seed and the stage's
         whole config section (steps, batch, optimizer and schedule, corruption or objective,
-        rollout decoding). A stage's checkpoints pin it, so a resume under a changed preset is
-        refused by field name (`training.sft.optim.lr: saved 0.003, current 0.001`)."""
+        rollout decoding), and the chat template's digest when prompts go through one. A stage's
+        checkpoints pin it, so a resume under a changed preset is refused by field name
+        (`training.sft.optim.lr: saved 0.003, current 0.001`, `training.chat_template: ...`)."""
         cfg = self.config
         section = "sft" if stage.startswith("sft-") else stage
-        fields: dict[str, Any] = {"seed": cfg.run.seed, "task": cfg.task, section: getattr(cfg, section)}
+        # The chat template counts by its text, wherever it was read from (and, off, leaves the
+        # fingerprint as it was before the key existed).
+        task = {k: v for k, v in to_dict(cfg.task).items() if k != "chat_template"}
+        fields: dict[str, Any] = {"seed": cfg.run.seed, "task": task, section: getattr(cfg, section)}
+        if self.chat_template is not None:
+            fields["chat_template"] = self.chat_template.digest
         if section == "sft":
             fields["steps"] = cfg.sft.steps_for(stage.removeprefix("sft-"))
         return fingerprint(to_dict(fields))
