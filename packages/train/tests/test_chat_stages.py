@@ -143,3 +143,19 @@ def test_mistakes_are_refused_naming_the_key(tmp_path):
     with pytest.raises(StageError, match=r"^task\.chat_template: .*fails\.jinja: rendering the prompt .* failed: "
                                          r"one turn only"):
         check_adopted(parse_pipeline_config(_preset(chat_template=str(failing))))
+
+
+def test_an_export_carries_the_template(tmp_path):
+    import jax
+
+    from bd_models import BlockDiffusionLM
+    from bd_train.stages import RunDir
+
+    config = parse_pipeline_config({**_preset(), "run": {"output_dir": str(tmp_path)}})
+    run = Run(config, RunDir.create(config, run_id="chat"))
+    model = BlockDiffusionLM(run.model_config("student"), key=jax.random.key(0))
+    folder = run.export(model, "sft-student", "student")
+    exported = ChatTemplate.from_tokenizer(folder)
+    assert exported.where.endswith("chat_template.jinja") and exported.source == run.chat_template.source
+    assert json.loads((folder / "tokenizer_config.json").read_text()) == {
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "mask_token": "<|MASK|>"}

@@ -45,7 +45,9 @@ def _nonneg(**values: float | int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TaskSection:
-    """A built-in task (`name` + `params`) or the user's JSONL files (`train_jsonl`, `eval_jsonl`)."""
+    """A built-in task (`name` + `params`) or the user's JSONL files (`train_jsonl`, `eval_jsonl`);
+    `chat_template` renders every prompt as a user turn of a chat template (`true`: the
+    tokenizer's own; or a Jinja file's path)."""
 
     name: str = "argsort"
     params: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -366,7 +366,7 @@ class Run:
     def export(self, model: BlockDiffusionLM, stage: str, role: str) -> Path:
         """`model` (adapters merged) as a Hugging Face checkpoint in `<run>/export/<stage>`: the
         pretrained source's config keys kept, the block size and mask token id recorded, and the
-        tokenizer as used."""
+        tokenizer as used (with the chat template in `chat_template.jinja` when prompts used one)."""
         model = merge(model)
         folder = Path(self.where.run_dir) / "export" / stage
         section = getattr(self.config, role)
@@ -380,6 +380,9 @@ class Run:
         if jax.process_index() == 0 and isinstance(tok, HFTokenizer):
             tok.save(folder / "tokenizer.json")
             names = {"mask_token": tok.token(tok.mask_id), "eos_token": tok.token(tok.eos_id)}
+            if self.chat_template is not None:  # the template the model was trained with travels with it
+                names = {**dict(self.chat_template.variables), **names}
+                (folder / "chat_template.jinja").write_text(self.chat_template.source, encoding="utf-8")
             (folder / "tokenizer_config.json").write_text(json.dumps(names, indent=2) + "\n")
         return folder
 
