@@ -75,12 +75,12 @@ TOPOLOGY ?= v5e:2x4
 plan: plan-env
 	.plan/bin/python -m bd_train.plan $(PRESET_FILE) --topology $(TOPOLOGY) $(PLAN_ARGS)
 
-# Opt-in: bdlm against transformers itself (logits of the committed fixtures, and transformers
-# loading bdlm's exports), in a separate venv with torch (CPU) and transformers; never in .venv.
+# Opt-in: bdlm against transformers itself (logits of the committed fixtures, transformers
+# loading bdlm's exports, and chat templates' rendering and ids), in a separate venv with torch (CPU) and transformers; never in .venv.
 interop:
 	test -x .interop/bin/python || $(PYTHON) -m venv .interop
 	.interop/bin/pip install --quiet torch==2.13.0
-	.interop/bin/pip install --quiet transformers==5.24.0 -e packages/core -e packages/models
+	.interop/bin/pip install --quiet transformers==5.24.0 -e packages/core -e packages/data -e packages/models
 	.interop/bin/python packages/models/tests/fixtures/hf/check_live.py
 
 # Benchmarks print ratios measured in one process and refresh their section of BENCHMARKS.md.

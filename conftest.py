@@ -60,3 +60,31 @@ def pytest_collection_modifyitems(config, items):
     root = str(config.rootpath)
     weight = {os.path.join(root, path): seconds for path, seconds in SLOW_FILES.items()}
     items.sort(key=lambda item: -weight.get(str(item.path), 0))  # stable: the rest keep their order
+
+
+HUB_FIXTURES = os.path.join(os.path.dirname(__file__), "packages", "models", "tests", "fixtures", "hf")
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An offline Hugging Face Hub cache in the Hub library's own layout
+    (`models--ORG--NAME/snapshots/<commit>/`, `refs/<branch>`), filled from the committed fixture
+    checkpoints: `hub_cache(folder, repo_id, commit, refs=("main",))` adds a snapshot; the
+    environment points `HF_HUB_CACHE` at it with `HF_HUB_OFFLINE=1`."""
+    import shutil
+
+    root = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def add(folder: str, repo_id: str, commit: str, refs=("main",)):
+        repo = root / f"models--{repo_id.replace('/', '--')}"
+        snapshot = repo / "snapshots" / commit
+        shutil.copytree(os.path.join(HUB_FIXTURES, folder), snapshot,
+                        ignore=shutil.ignore_patterns("reference.npz", "config.v4.json"))
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        for ref in refs:
+            (repo / "refs" / ref).write_text(commit)
+        return snapshot
+
+    return add

@@ -111,3 +111,37 @@ def test_a_malformed_jsonl_line_is_refused_at_the_start_naming_file_and_line(tmp
     config = parse_pipeline_config({"task": {"train_jsonl": str(bad), "eval_jsonl": str(good)}})
     with pytest.raises(StageError, match=r"train.jsonl:2"):
         check_adopted(config)
+
+
+def test_a_hub_repo_pins_its_commit_and_a_moved_branch_is_refused_by_name(hub_cache, tmp_path):
+    """`pretrained = "org/name"` reads the Hub cache's snapshot; the identity records the repo and the
+    resolved commit, so a resume after `main` moved to another commit (same weights) is refused
+    naming the commit, and `[run] allow_changes` can accept it deliberately."""
+    from bd_core import FingerprintMismatch
+    from bd_train import Checkpointer
+    from bd_train.stages import _config
+
+    repo = "bdlm-test/tiny-sdar"
+    snapshot = hub_cache("sdar", repo, "a" * 40)
+    by_id = Run(parse_pipeline_config(_preset(Path(repo), Path(repo))))
+    by_folder = Run(parse_pipeline_config(_preset(snapshot, snapshot)))
+    identity = by_id.identity("student")
+    assert identity.fields["pretrained_source"] == {"repo_id": repo, "revision": "main", "commit": "a" * 40}
+    assert identity.fields["pretrained"] == by_folder.identity("student").fields["pretrained"]
+    state = by_id.initial_state("student", by_id.model_config("student"), _optimizer(), key=jax.random.key(0))
+    with Checkpointer(tmp_path / "ckpt") as checkpoints:
+        checkpoints.save(state, fingerprints={"identity": identity})
+
+    hub_cache("sdar", repo, "b" * 40)  # the branch moved to another commit
+    _config._resolve_in.cache_clear()  # a new process, as a resume is
+    moved = Run(parse_pipeline_config(_preset(Path(repo), Path(repo)))).identity("student")
+    with Checkpointer(tmp_path / "ckpt", create=False) as checkpoints:
+        with pytest.raises(FingerprintMismatch, match=r"identity\.pretrained_source\.commit"):
+            checkpoints.check_fingerprints({"identity": moved})
+        accepted = checkpoints.check_fingerprints({"identity": moved}, allow=["identity.pretrained_source"])
+    assert accepted == {"identity.pretrained_source.commit": ("a" * 40, "b" * 40)}
+
+
+def test_a_revision_without_a_repo_is_refused_by_name():
+    with pytest.raises(ConfigError, match="revision: 'v1' is given without pretrained"):
+        parse_pipeline_config({"student": {"revision": "v1"}})

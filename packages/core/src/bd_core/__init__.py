@@ -2,8 +2,10 @@
 
 Weighted metrics that reduce globally (normalize once over all microbatches and devices), typed and
 validated batches, traces and rollouts, the attention rule of the view layout, config errors and
-fingerprints; and `with_huge_page_malloc`, the glibc setting that spares XLA:CPU a page fault per 4 KiB
-of its buffers per execution. Depends on jax and numpy only.
+fingerprints; where a released checkpoint's files are (`resolve_pretrained`: a folder, or a Hub
+repo id through the Hub cache); and `with_huge_page_malloc`, the glibc setting that spares XLA:CPU
+a page fault per 4 KiB of its buffers per execution. Depends on jax and numpy only (a Hub id needs
+huggingface_hub, imported when one is resolved).
 
 Shape letters, one meaning each across every bdlm package (arrays are named `x_BxTxD`):
 
@@ -32,6 +34,11 @@ from ._host_memory import huge_page_malloc_active as huge_page_malloc_active
 from ._host_memory import thp_mode as thp_mode
 from ._host_memory import tunable_takes_effect as tunable_takes_effect
 from ._host_memory import with_huge_page_malloc as with_huge_page_malloc
+from ._hub import HUB_FILES as HUB_FILES
+from ._hub import HubError as HubError
+from ._hub import PretrainedSource as PretrainedSource
+from ._hub import is_repo_id as is_repo_id
+from ._hub import resolve_pretrained as resolve_pretrained
 from ._mask import TokenMeta as TokenMeta
 from ._mask import allowed as allowed
 from ._mask import attention_allowed as attention_allowed

@@ -3,8 +3,9 @@
 Produces numpy `bd_core.DiffusionTokenBatch`es in the SFT layout and left-padded prompt batches
 for rollouts. Tasks (`get_task(name, seed=..., **params)`, train/eval splits that share no prompt,
 bounded-time rewards): sort, argsort, addition, addition_lsd; countdown, mini_sudoku, chain_sum
-from reasoning-gym in compact prompts; math, the user's JSONL scored by math-verify. Depends on
-bd_core, numpy, grain, tokenizers, reasoning-gym and math-verify.
+from reasoning-gym in compact prompts; math, the user's JSONL scored by math-verify. Chat models'
+prompts go through their own chat template (`ChatTemplate`, `ChatSource`). Depends on
+bd_core, numpy, grain, tokenizers, jinja2, reasoning-gym and math-verify.
 """
 
 from ._bounded_verify import VerifyWorkerError as VerifyWorkerError
@@ -16,6 +17,10 @@ from ._canvas import CanvasOverflow as CanvasOverflow
 from ._canvas import build_canvas as build_canvas
 from ._canvas import fit_to_canvas as fit_to_canvas
 from ._canvas import prompt_canvas as prompt_canvas
+from ._chat import ChatSource as ChatSource
+from ._chat import ChatTemplate as ChatTemplate
+from ._chat import ChatTemplateError as ChatTemplateError
+from ._chat import load_chat_template as load_chat_template
 from ._corruption import DEFAULT_CORRUPTION as DEFAULT_CORRUPTION
 from ._corruption import CorruptionConfig as CorruptionConfig
 from ._corruption import corrupt as corrupt

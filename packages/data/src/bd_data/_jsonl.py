@@ -1,8 +1,8 @@
 """User data from JSONL: one `{"prompt": ..., "completion": ...}` object per line.
 
 Every error names the file and the line (`read_records` reads other field sets the same way).
-Over-long examples (measured with the tokenizer against the canvas) raise by default; `truncate`
-and `skip` are counted and reported.
+Over-long examples (measured with the tokenizer against the canvas, the prompt as a chat template
+renders it when one is given) raise by default; `truncate` and `skip` are counted and reported.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ._canvas import OVERLONG_POLICIES, CanvasConfig, CanvasOverflow, fit_to_canvas
+from ._chat import ChatTemplate, ChatTemplateError
 from ._example import Example
 from ._tokenizer import Tokenizer
 
@@ -106,10 +107,25 @@ def read_records(path: Path, fields: tuple[str, ...] = FIELDS) -> Iterator[tuple
                 yield number, record
 
 
+def _fit(prompt: str, completion: str, tokenizer: Tokenizer, canvas: CanvasConfig, overlong: str,
+         chat_template: ChatTemplate | None):
+    """`fit_to_canvas` on the prompt as the template renders it; `truncate` cuts the prompt's
+    text inside the template (its markup stays whole)."""
+    answer = tokenizer.encode(completion)
+    if chat_template is None:
+        return fit_to_canvas(tokenizer.encode(prompt), answer, canvas, overlong)
+    prompt_ids, cut = chat_template.encode(prompt, tokenizer), False
+    if len(prompt_ids) > canvas.prompt_len and overlong == "truncate":
+        prompt_ids, cut = chat_template.fit(prompt, tokenizer, canvas.prompt_len), True
+    fitted = fit_to_canvas(prompt_ids, answer, canvas, overlong)
+    return None if fitted is None else (fitted[0], fitted[1], fitted[2] or cut)
+
+
 def load_jsonl(path: str | Path, *, tokenizer: Tokenizer | None = None, canvas: CanvasConfig | None = None,
-               overlong: str = "error") -> JsonlSource:
+               overlong: str = "error", chat_template: ChatTemplate | None = None) -> JsonlSource:
     """Load and check every record; with `tokenizer` and `canvas`, apply the over-long policy
-    (`error`, `truncate` or `skip`) and keep the token ids of each example."""
+    (`error`, `truncate` or `skip`) and keep the token ids of each example. With `chat_template`
+    (which needs both), the prompt ids are the rendered prompt's, and lengths count them."""
     path = Path(path)
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(f"load_jsonl overlong: expected one of {OVERLONG_POLICIES}, got {overlong!r}")
@@ -117,15 +133,19 @@ def load_jsonl(path: str | Path, *, tokenizer: Tokenizer | None = None, canvas: 
         raise ValueError("load_jsonl: pass both tokenizer= and canvas= (to check lengths) or neither")
     if overlong != "error" and canvas is None:
         raise ValueError(f"load_jsonl overlong={overlong!r} needs tokenizer= and canvas= to measure lengths")
+    if chat_template is not None and canvas is None:
+        raise ValueError("load_jsonl chat_template= needs tokenizer= and canvas= (the rendered prompt must fit)")
     examples, lines, truncated, skipped = [], [], [], []
     for number, (prompt, completion) in read_records(path):
         prompt_ids = answer_ids = None
         if canvas is not None:
             assert tokenizer is not None  # checked above: tokenizer= and canvas= come together
             try:
-                fitted = fit_to_canvas(tokenizer.encode(prompt), tokenizer.encode(completion), canvas, overlong)
+                fitted = _fit(prompt, completion, tokenizer, canvas, overlong, chat_template)
             except CanvasOverflow as err:
                 raise JsonlError(f"{path}:{number}: {err}; or load with overlong='truncate' or 'skip'") from None
+            except ChatTemplateError as err:
+                raise JsonlError(f"{path}:{number}: {err}") from None
             if fitted is None:
                 skipped.append(number)
                 continue

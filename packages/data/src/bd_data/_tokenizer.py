@@ -6,11 +6,14 @@ that goes into model fingerprints, so a checkpoint cannot be reused with a diffe
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+from bd_core import is_repo_id, resolve_pretrained
 
 
 class TokenizerError(ValueError):
@@ -101,7 +104,8 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A local HF `tokenizer.json`; the identity carries a hash of the file's bytes.
+    """A HF `tokenizer.json` (its path, a checkpoint folder that holds it, or a Hub repo id at
+    `revision`); the identity carries a hash of the file's bytes.
 
     `mask_token` and `eos_token` must be in the vocabulary; `pad_token` falls back to the mask token
     when the file has none (padding is always marked invalid, so its id only has to be one that is
@@ -112,10 +116,14 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str | Path, *, mask_token: str = "<|mask|>", eos_token: str = "<|endoftext|>",
-                 pad_token: str | None = "<|pad|>", add_mask_token: bool = False):
+                 pad_token: str | None = "<|pad|>", add_mask_token: bool = False, revision: str | None = None):
         from tokenizers import Tokenizer as _HF
 
+        if is_repo_id(path) or revision is not None:  # a Hub repo id: its tokenizer.json from the Hub cache
+            path = resolve_pretrained(path, revision).folder
         path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(
                 f"tokenizer file {str(path)!r} does not exist; pass the path of a local tokenizer.json "
@@ -173,6 +181,27 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         _utf8(text)
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    @functools.cached_property
+    def _markup(self):
+        # A second copy that matches special-token text: flipping `encode_special_tokens` on the
+        # shared one would race with data encoded on other threads.
+        from tokenizers import Tokenizer as _HF
+
+        tok = _HF.from_str(self._tok.to_str())
+        tok.encode_special_tokens = False
+        return tok
+
+    def encode_markup(self, text: str) -> np.ndarray:
+        """Ids of markup a chat template wrote: special-token text becomes the special ids (which
+        `encode` never does; data text stays text)."""
+        _utf8(text)
+        return np.asarray(self._markup.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    @functools.cached_property
+    def special_texts(self) -> tuple[str, ...]:
+        """The text of every special added token (what `encode_markup` turns into ids and `encode` does not)."""
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
 
     def token(self, token_id: int) -> str | None:
         """The token text of an id (special tokens included)."""

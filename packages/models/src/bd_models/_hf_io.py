@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from bd_core import resolve_pretrained
+
 from ._config import ModelConfig
 from ._hf_config import ARCHITECTURES, PretrainedError, hf_config, model_config_from_hf
 from ._model import BlockDiffusionLM
@@ -48,9 +50,10 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """The folder's `config.json` as a dict; a missing or malformed file is one `PretrainedError`."""
-    path = Path(path)
+def read_hf_config(path: str | Path, *, revision: str | None = None) -> dict[str, Any]:
+    """The `config.json` of a checkpoint folder or Hub repo id (at `revision`) as a dict; a missing or
+    malformed file is one `PretrainedError`."""
+    path = resolve_pretrained(path, revision).folder
     file = path / "config.json"
     if not path.is_dir():
         raise PretrainedError(f"checkpoint folder {str(path)!r} does not exist; pass the folder that holds "
@@ -237,17 +240,19 @@ def _mean_row(tensors: _Tensors, name: str, rows: int) -> Callable[[], np.ndarra
     return get
 
 
-def from_pretrained(path: str | Path, *, block_size: int | None = None, vocab_size: int | None = None,
+def from_pretrained(path: str | Path, *, revision: str | None = None, block_size: int | None = None,
+                    vocab_size: int | None = None,
                     new_rows_from: int | None = None, param_dtype: str = "float32", compute_dtype: str | None = None,
                     mesh: Mesh | None = None, **overrides: Any) -> BlockDiffusionLM:
-    """A `BlockDiffusionLM` from a Hugging Face checkpoint folder (Qwen3, SDAR, Qwen2, Fast-dLLM v2,
-    Llama). `block_size` defaults to the config's (SDAR, Fast-dLLM v2) and is required otherwise;
+    """A `BlockDiffusionLM` from a Hugging Face checkpoint folder or Hub repo id (`org/name` at
+    `revision`, through the Hub cache: `bd_core.resolve_pretrained`) of Qwen3, SDAR, Qwen2,
+    Fast-dLLM v2 or Llama. `block_size` defaults to the config's (SDAR, Fast-dLLM v2) and is required otherwise;
     `vocab_size` larger than the file's grows the embedding (and untied head). Rows from
     `new_rows_from` (default: the file's vocabulary size) on are new tokens: they are set to the
     mean of the rows before them (an added mask token may fall inside a checkpoint's padded rows,
     as it does for Qwen3's 151,936 rows and 151,669 tokens). With `mesh` every parameter is built
     in its shards. `overrides`: ModelConfig run-time fields (attention, q_tile, k_tile, remat)."""
-    path = Path(path)
+    path = resolve_pretrained(path, revision).folder
     raw = read_hf_config(path)
     where = str(path / "config.json")
     file_vocab = int(raw.get("vocab_size", 0))
@@ -300,13 +305,19 @@ def _named_tensors(model: BlockDiffusionLM) -> Iterator[tuple[str, Callable[[], 
         yield name, get
 
 
+SOURCE = "bdlm_source.json"
+
+
 def save_pretrained(model: BlockDiffusionLM, path: str | Path, *, model_type: str | None = None,
-                    base_config: Mapping[str, Any] | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+                    base_config: Mapping[str, Any] | None = None, max_shard_bytes: int = 5 * 2**30,
+                    source: Mapping[str, Any] | None = None) -> Path:
     """Write `model` as a Hugging Face checkpoint folder: config.json (4.x form) and safetensors,
     split into `model-0000i-of-0000n.safetensors` with an index past `max_shard_bytes`.
     `model_type` defaults to `base_config`'s (the imported checkpoint's, whose other keys are kept)
     or to the layout the model's options imply (`qwen3`, `qwen2`, `llama`). With several processes,
-    every process must call it (tensors are gathered); process 0 writes."""
+    every process must call it (tensors are gathered); process 0 writes. `source` (JSON-ready: where
+    the weights came from, e.g. a Hub repo and commit, and what trained them) is written beside as
+    `bdlm_source.json`, so an export says what it is."""
     from safetensors.numpy import save_file
 
     from ._hf_config import _layout_for
@@ -325,8 +336,10 @@ def save_pretrained(model: BlockDiffusionLM, path: str | Path, *, model_type: st
     content = hf_config(config, model_type, base=base_config, torch_dtype=torch_dtype)
     if writer:
         path.mkdir(parents=True, exist_ok=True)
-        for old in list(path.glob("model*.safetensors")) + [path / INDEX]:
+        for old in list(path.glob("model*.safetensors")) + [path / INDEX, path / SOURCE]:
             old.unlink(missing_ok=True)
+        if source is not None:
+            (path / SOURCE).write_text(json.dumps(dict(source), indent=2, sort_keys=True) + "\n")
     shards: list[dict[str, np.ndarray]] = [{}]
     size, total, weight_map = 0, 0, {}
     files: list[str] = []

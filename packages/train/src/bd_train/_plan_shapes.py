@@ -93,7 +93,7 @@ def shapes_run(config: Any):
 
     run = Run(config)
     cfg = run.config
-    folder = next((getattr(cfg, r).pretrained for r in ("student", "teacher") if getattr(cfg, r).pretrained), None)
+    folder = next((getattr(cfg, r).folder for r in ("student", "teacher") if getattr(cfg, r).folder), None)
     tokenizer_file = cfg.tokenizer.path or (str(Path(folder) / "tokenizer.json") if folder else None)
     if folder is None or tokenizer_file is None or Path(tokenizer_file).is_file():
         return run

@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from bd_core import ConfigError, Fingerprint
+from bd_core import ConfigError, Fingerprint, is_repo_id
 from bd_data import CanvasOverflow, JsonlError, TokenizerError
 from bd_models import ModelConfig
 
@@ -41,8 +41,8 @@ THRESHOLDS = (0.5, 0.7, 0.9, 0.95)
 def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = None,
          config: str | None = None) -> tuple[Run, Any]:
     """The run config a checkpoint was trained with (optionally another task or eval size) and its
-    model; for a Hugging Face folder, the preset `config` (TOML text) with the folder as the student."""
-    if (Path(checkpoint) / "config.json").is_file():
+    model; for a Hugging Face folder or Hub repo id, the preset `config` (TOML text) with it as the student."""
+    if (Path(checkpoint) / "config.json").is_file() or is_repo_id(checkpoint):
         if config is None:
             raise StageError(f"{checkpoint} is a Hugging Face checkpoint folder, which records no task or canvas; "
                              f"pass --config <preset.toml> (e.g. flows/configs/pretrained.toml) to define them")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bd_core import ConfigError, Fingerprint, FingerprintMismatch, require_compatible
-from bd_data import CanvasOverflow, JsonlError, TokenizerError
+from bd_data import CanvasOverflow, ChatTemplateError, JsonlError, TokenizerError
 
 from .._checkpoint import CheckpointError
 from ._run import ROLES, Run, StageError, open_checkpoints
@@ -39,7 +39,8 @@ def check_adopted(config: Any) -> None:
     """Before anything trains: every checkpoint the config adopts (`[teacher]/[student] checkpoint`)
     must share the config's tokens and blocks, or the run is refused now, naming each field. The
     tokenizer, the pretrained checkpoints' configs and the user's JSONL files (every line) are read
-    now too, and a teacher and student whose output vocabularies differ are refused."""
+    now too (a task's first prompts rendered by the chat template, if any), and a teacher and
+    student whose output vocabularies differ are refused."""
     run = Run(config)
     try:
         _ = run.tokenizer  # loads and checks the special tokens
@@ -47,8 +48,18 @@ def check_adopted(config: Any) -> None:
         if run.task is None:  # the user's JSONL: every line, tokenized and fitted to the canvas, now
             for split in ("train", "eval"):
                 run.source(split)
+        elif run.chat_template is not None:  # a task's prompts through the template: the first of each split, now
+            prompt_len = run.config.canvas.prompt_len
+            for split in ("train", "eval"):
+                ids = run.source(split)[0].token_ids(run.tokenizer)[0]
+                if len(ids) > prompt_len:
+                    raise StageError(f"task.chat_template: the first {split} prompt takes {len(ids)} tokens as the "
+                                     f"template renders it but canvas.prompt_len = {prompt_len}; raise prompt_len "
+                                     f"(a multiple of block_size) to fit the template's markup")
     except (TokenizerError, ConfigError, JsonlError, CanvasOverflow) as err:
         raise StageError(str(err)) from None
+    except ChatTemplateError as err:
+        raise StageError(f"task.chat_template: {err}") from None
     if len(set(sizes.values())) > 1:
         raise StageError(f"teacher vocab_size {sizes['teacher']} != student vocab_size {sizes['student']} (from "
                          f"their config.json files): distillation compares the two output distributions token by "

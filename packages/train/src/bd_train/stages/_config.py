@@ -8,13 +8,26 @@ follow the tokenizer and the canvas, so teacher and student agree on them by con
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from pathlib import Path
 from typing import Any, Literal
 
-from bd_core import ConfigError, config_error
-from bd_data import CanvasConfig, CorruptionConfig
+from bd_core import ConfigError, PretrainedSource, config_error, resolve_pretrained
+from bd_data import CanvasConfig, ChatTemplate, ChatTemplateError, CorruptionConfig, load_chat_template
 
 from ._config_io import build, to_dict
+
+
+def _resolve(ref: str, revision: str | None) -> PretrainedSource:
+    """A pretrained checkpoint's files, resolved once per process and Hub cache (a Hub id may
+    download; a branch that moves later is not followed within a run)."""
+    return _resolve_in(ref, revision, os.environ.get("HF_HUB_CACHE"), os.environ.get("HF_HOME"))
+
+
+@functools.cache
+def _resolve_in(ref: str, revision: str | None, *cache: str | None) -> PretrainedSource:
+    return resolve_pretrained(ref, revision)
 
 
 # Section invariants name the field relative to the section; `build` prefixes the section's path.
@@ -32,7 +45,9 @@ def _nonneg(**values: float | int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TaskSection:
-    """A built-in task (`name` + `params`) or the user's JSONL files (`train_jsonl`, `eval_jsonl`)."""
+    """A built-in task (`name` + `params`) or the user's JSONL files (`train_jsonl`, `eval_jsonl`);
+    `chat_template` renders every prompt as a user turn of a chat template (`true`: the
+    tokenizer's own; or a Jinja file's path)."""
 
     name: str = "argsort"
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -40,8 +55,17 @@ class TaskSection:
     train_jsonl: str | None = None
     eval_jsonl: str | None = None
     overlong: Literal["error", "truncate", "skip"] = "error"
+    # Render every prompt (SFT, OPD, GRPO, evaluation) as a user turn through a chat template:
+    # true = the tokenizer's own (the `chat_template` of the tokenizer_config.json beside its
+    # tokenizer.json, or a chat_template.jinja file there), or the path of a Jinja template file.
+    # The template's markup becomes special tokens; the prompt stays text. Its text is pinned in
+    # the stages' checkpoints (training.chat_template).
+    chat_template: bool | str = False
 
     def __post_init__(self):
+        if isinstance(self.chat_template, str) and not Path(self.chat_template).is_file():
+            raise ConfigError(f"chat_template: file {self.chat_template!r} does not exist; give the path of a Jinja "
+                              f"chat template file, true for the tokenizer's own template, or false")
         for name in ("train_jsonl", "eval_jsonl"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
@@ -115,24 +139,40 @@ class ModelSection:
     # What the backward pass recomputes per layer (bd_models.ModelConfig.remat).
     remat: Literal["elementwise", "none", "full", "save_matmuls"] = "elementwise"
     checkpoint: str | None = None  # start from this SFT checkpoint folder instead of training
-    pretrained: str | None = None  # SFT starts from this Hugging Face checkpoint folder
+    # SFT starts from this Hugging Face checkpoint: a local folder, or a Hub repo id ("org/name")
+    pretrained: str | None = None
+    revision: str | None = None  # with a Hub repo id: the branch, tag or commit (default "main")
     lora: LoRASection | None = None  # train LoRA adapters instead of every weight (in lora.stages)
 
     def __post_init__(self):
         if self.checkpoint is not None and not Path(self.checkpoint).is_dir():
             raise ConfigError(f"checkpoint: folder {self.checkpoint!r} does not exist; give the checkpoint folder of "
                               f"an SFT stage (runs/pipeline/<run-id>/checkpoints/sft-<role>) or remove the key")
+        if self.revision is not None and self.pretrained is None:
+            raise ConfigError(f"revision: {self.revision!r} is given without pretrained; name the Hub repo "
+                              "(pretrained = \"org/name\") or remove the key")
         if self.pretrained is not None:
             if self.checkpoint is not None:
                 raise ConfigError("pretrained: give either checkpoint (adopt a finished SFT) or pretrained (train "
                                   "from a Hugging Face checkpoint), not both")
             from bd_models import model_config_from_hf, read_hf_config
 
-            try:  # the folder, its config.json and its architecture, checked now
-                model_config_from_hf(read_hf_config(self.pretrained), block_size=1,
-                                     where=str(Path(self.pretrained) / "config.json"))
+            try:  # the folder (a Hub repo resolved through its cache), config.json and architecture, checked now
+                folder = str(_resolve(self.pretrained, self.revision).folder)
+                model_config_from_hf(read_hf_config(folder), block_size=1, where=str(Path(folder) / "config.json"))
             except ConfigError as err:
                 raise ConfigError(f"pretrained: {err}") from None
+
+    @property
+    def source(self) -> PretrainedSource | None:
+        """Where `pretrained`'s files are: the folder, or the Hub snapshot and its resolved commit."""
+        return None if self.pretrained is None else _resolve(self.pretrained, self.revision)
+
+    @property
+    def folder(self) -> str | None:
+        """The local folder `pretrained` names or resolves to (None without one)."""
+        source = self.source
+        return None if source is None else str(source.folder)
 
     def model_kwargs(self) -> dict[str, Any]:
         return dict(d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
@@ -346,7 +386,7 @@ class PipelineConfig:
     mesh: MeshSection = MeshSection()
 
     def __post_init__(self):
-        folders = {role: getattr(self, role).pretrained for role in ("teacher", "student")}
+        folders = {role: getattr(self, role).folder for role in ("teacher", "student")}
         if self.tokenizer.path is None and all(folders.values()):
             files = [Path(f) / "tokenizer.json" for f in folders.values()]
             if all(f.is_file() for f in files) and files[0].read_bytes() != files[1].read_bytes():
@@ -368,10 +408,27 @@ class PipelineConfig:
             if "sft" in lora.stages and section.checkpoint is not None:
                 raise ConfigError(f"{role}.lora.stages: 'sft' is listed but the {role} adopts the finished SFT "
                                   f"checkpoint {section.checkpoint!r} (nothing trains there); drop 'sft'")
+        if self.task.chat_template is not False:
+            try:
+                self.chat_template()
+            except ChatTemplateError as err:
+                raise ConfigError(f"task.chat_template: {err}") from None
         if self.canvas.policy != "block_aligned":
             raise ConfigError("canvas.policy: the pipeline's rollouts (OPD, GRPO, eval) decode on the block-aligned "
                               "canvas; use policy = 'block_aligned' (the contiguous canvas is for bd_data's SFT "
                               "pipelines on their own)")
+
+    @property
+    def tokenizer_file(self) -> str | None:
+        """The tokenizer.json in use: `[tokenizer] path`, else the pretrained student's (or
+        teacher's) own; None for the byte tokenizer."""
+        folders = [getattr(self, role).folder for role in ("student", "teacher")]
+        return self.tokenizer.path or next((str(Path(f) / "tokenizer.json") for f in folders if f), None)
+
+    def chat_template(self) -> ChatTemplate | None:
+        """`[task] chat_template` loaded (`bd_data.ChatTemplate`), or None when it is off."""
+        file = self.tokenizer_file
+        return load_chat_template(self.task.chat_template, None if file is None else Path(file).parent)
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

@@ -18,6 +18,8 @@ import jax
 from bd_core import Fingerprint, FingerprintMismatch, fingerprint
 from bd_data import (
     ByteTokenizer,
+    ChatSource,
+    ChatTemplate,
     Example,
     HFTokenizer,
     get_task,
@@ -140,8 +142,7 @@ class Run:
         """The byte tokenizer, the configured tokenizer.json, or the pretrained checkpoint's own
         (the student's, else the teacher's), with its special tokens from its tokenizer_config.json."""
         section = self.config.tokenizer
-        folders = [getattr(self.config, role).pretrained for role in ("student", "teacher")]
-        path = section.path or next((str(Path(f) / "tokenizer.json") for f in folders if f), None)
+        path = self.config.tokenizer_file
         if path is None:
             return ByteTokenizer()
         named = _special_tokens(Path(path).parent / "tokenizer_config.json")
@@ -154,13 +155,21 @@ class Run:
         task = self.config.task
         return None if task.train_jsonl else get_task(task.name, seed=task.seed, **task.params)
 
+    @functools.cached_property
+    def chat_template(self) -> ChatTemplate | None:
+        """`[task] chat_template` (a `bd_data.ChatTemplate`), or None when prompts are fed raw."""
+        return self.config.chat_template()
+
     def source(self, split: str):
+        """The split's examples; with a chat template their `prompt_ids` are the rendered prompt's
+        (which every stage's batches and the evaluation use), their text stays the raw prompt."""
         task = self.config.task
         if self.task is None:  # the user's JSONL files (the config requires both)
             path = task.train_jsonl if split == "train" else task.eval_jsonl
             return load_jsonl(cast(str, path), tokenizer=self.tokenizer, canvas=self.config.canvas,
-                              overlong=task.overlong)
-        return self.task.dataset(split)
+                              overlong=task.overlong, chat_template=self.chat_template)
+        source = self.task.dataset(split)
+        return source if self.chat_template is None else ChatSource(source, self.chat_template, self.tokenizer)
 
     # A step's batch is built whole on every process (shard 0 of 1): it then depends on the seed
     # alone, not on how many processes run, and placing it on the mesh keeps each process's rows.
@@ -197,9 +206,9 @@ class Run:
         """How a pretrained role's checkpoint is read: the canvas's block size, the vocabulary grown
         to the tokenizer's (an added mask token), the section's dtypes and execution fields."""
         section = getattr(self.config, role)
-        raw = read_hf_config(section.pretrained)
+        raw = read_hf_config(section.folder)
         kwargs = section.model_kwargs()
-        return dict(raw=raw, where=str(Path(section.pretrained) / "config.json"),
+        return dict(raw=raw, where=str(Path(section.folder) / "config.json"),
                     block_size=self.config.canvas.block_size,
                     vocab_size=max(int(raw.get("vocab_size", 0)), self.tokenizer.vocab_size),
                     **{k: kwargs[k] for k in ("param_dtype", "compute_dtype", "attention", "remat")},
@@ -235,11 +244,14 @@ class Run:
     def _identity(self, role: str) -> Fingerprint:
         tok, canvas = self.tokenizer, self.config.canvas
         architecture = {k: v for k, v in self.model_config(role).to_dict().items() if k not in EXECUTION_FIELDS}
-        pretrained = getattr(self.config, role).pretrained
+        section = getattr(self.config, role)
+        pretrained, source = section.folder, section.source
         extra: dict[str, Any] = {"pad_id": tok.pad_id, "eos_id": tok.eos_id, "prompt_len": canvas.prompt_len,
                  "max_new_tokens": canvas.max_new_tokens}
         if pretrained:  # where the weights started: the checkpoint's config and tensor headers
             extra["pretrained"] = checkpoint_digest(pretrained)
+        if source is not None and source.repo_id is not None:  # and which Hub commit they came from
+            extra["pretrained_source"] = source.to_dict()
         return model_identity(architecture, tokenizer=tok.identity, vocab_size=tok.vocab_size, mask_id=tok.mask_id,
                               block_size=canvas.block_size, canvas_policy=canvas.policy, alignment="target",
                               extra=extra)
@@ -247,11 +259,17 @@ class Run:
     def training(self, stage: str) -> Fingerprint:
         """What defines a stage's training beyond the model: the task, the seed and the stage's
         whole config section (steps, batch, optimizer and schedule, corruption or objective,
-        rollout decoding). A stage's checkpoints pin it, so a resume under a changed preset is
-        refused by field name (`training.sft.optim.lr: saved 0.003, current 0.001`)."""
+        rollout decoding), and the chat template's digest when prompts go through one. A stage's
+        checkpoints pin it, so a resume under a changed preset is refused by field name
+        (`training.sft.optim.lr: saved 0.003, current 0.001`, `training.chat_template: ...`)."""
         cfg = self.config
         section = "sft" if stage.startswith("sft-") else stage
-        fields: dict[str, Any] = {"seed": cfg.run.seed, "task": cfg.task, section: getattr(cfg, section)}
+        # The chat template counts by its text, wherever it was read from (and, off, leaves the
+        # fingerprint as it was before the key existed).
+        task = {k: v for k, v in to_dict(cfg.task).items() if k != "chat_template"}
+        fields: dict[str, Any] = {"seed": cfg.run.seed, "task": task, section: getattr(cfg, section)}
+        if self.chat_template is not None:
+            fields["chat_template"] = self.chat_template.digest
         if section == "sft":
             fields["steps"] = cfg.sft.steps_for(stage.removeprefix("sft-"))
         return fingerprint(to_dict(fields))
@@ -299,11 +317,11 @@ class Run:
                                        what=f"the {start[0]} checkpoint SFT starts from", mesh=mesh)
             state = TrainState.init(model, optimizer, key=jax.random.split(key)[1])
             return state if mesh is not None else committed(state)
-        if not getattr(self.config, role).pretrained:
+        if not getattr(self.config, role).folder:
             return self.fresh_state(model_config, optimizer, key=key, mesh=mesh)
         model = self.pretrained_model(role, mesh=mesh)
         if model.config != model_config:
-            raise StageError(f"{role}: the model read from {getattr(self.config, role).pretrained} is not the "
+            raise StageError(f"{role}: the model read from {getattr(self.config, role).folder} is not the "
                              f"configured one ({model.config} vs {model_config})")
         lora = self.lora(role, "sft")
         if lora is not None:
@@ -338,7 +356,7 @@ class Run:
     def pretrained_model(self, role: str, *, mesh: jax.sharding.Mesh | None = None) -> BlockDiffusionLM:
         """The role's pretrained checkpoint as configured: the canvas's block size, the tokenizer's
         vocabulary (an added mask token's row is the mean of the tokens' rows), the section's dtypes."""
-        folder = getattr(self.config, role).pretrained
+        folder = getattr(self.config, role).folder
         if not folder:
             raise StageError(f"{role}: no pretrained checkpoint is configured ([{role}] pretrained)")
         kwargs = {k: v for k, v in self._pretrained_kwargs(role).items() if k not in ("raw", "where")}
@@ -348,17 +366,23 @@ class Run:
     def export(self, model: BlockDiffusionLM, stage: str, role: str) -> Path:
         """`model` (adapters merged) as a Hugging Face checkpoint in `<run>/export/<stage>`: the
         pretrained source's config keys kept, the block size and mask token id recorded, and the
-        tokenizer as used."""
+        tokenizer as used (with the chat template in `chat_template.jinja` when prompts used one)."""
         model = merge(model)
         folder = Path(self.where.run_dir) / "export" / stage
-        source = getattr(self.config, role).pretrained
-        base = dict(read_hf_config(source)) if source else {}
+        section = getattr(self.config, role)
+        base = dict(read_hf_config(section.folder)) if section.folder else {}
         tok = self.tokenizer
         base.update(mask_token_id=tok.mask_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-        save_pretrained(model, folder, base_config=base)
+        source = {"stage": stage, "role": role, "run": str(self.where.run_dir)}
+        if section.source is not None:
+            source["pretrained"] = section.source.to_dict()
+        save_pretrained(model, folder, base_config=base, source=source)
         if jax.process_index() == 0 and isinstance(tok, HFTokenizer):
             tok.save(folder / "tokenizer.json")
             names = {"mask_token": tok.token(tok.mask_id), "eos_token": tok.token(tok.eos_id)}
+            if self.chat_template is not None:  # the template the model was trained with travels with it
+                names = {**dict(self.chat_template.variables), **names}
+                (folder / "chat_template.jinja").write_text(self.chat_template.source, encoding="utf-8")
             (folder / "tokenizer_config.json").write_text(json.dumps(names, indent=2) + "\n")
         return folder
 
