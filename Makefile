@@ -13,7 +13,7 @@ RUN := $(UV) run --no-sync
 export GLIBC_TUNABLES := $(if $(findstring glibc.malloc.hugetlb=,$(GLIBC_TUNABLES)),$(GLIBC_TUNABLES),$(if $(GLIBC_TUNABLES),$(GLIBC_TUNABLES):)glibc.malloc.hugetlb=1)
 PKG_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml)
 
-.PHONY: sync test lint run bench bench-gpu clean interop plan plan-env docs docs-serve
+.PHONY: sync test lint run stages bench bench-gpu clean interop plan plan-env docs docs-serve
 sync: .venv/.synced
 
 $(UV):
@@ -30,7 +30,7 @@ $(UV):
 PRESETS := $(sort $(basename $(notdir $(wildcard flows/configs/*.toml))))
 ifneq ($(strip $(PRESET)),)
 PRESET_FILE := $(firstword $(filter %.toml,$(wildcard $(PRESET) flows/configs/$(PRESET:.toml=).toml)))
-ifneq ($(filter run plan,$(MAKECMDGOALS)),)
+ifneq ($(filter run plan stages,$(MAKECMDGOALS)),)
 ifeq ($(PRESET_FILE),)
 $(error PRESET=$(PRESET): no such preset; give a name in flows/configs/ ($(PRESETS)) or the path of a .toml file)
 endif
@@ -44,6 +44,13 @@ endif
 run: sync
 	PYTHONUNBUFFERED=1 $(RUN) python flows/bd_pipeline.py $(strip $(CONFIG_ARG) run) --max-workers 2
 	@$(RUN) python -m bd_train.stages summary $(PRESET_FILE)
+
+# The stage chain without Metaflow, on this host: `make stages PRESET=<name> [STAGE=sft|opd|grpo]`.
+# The same command on every host of a group (the BDLM_* variables, or a TPU VM's workers, SLURM,
+# Kubernetes, Open MPI as JAX detects them) is the whole launch; rerun, it continues.
+STAGE ?= grpo
+stages: sync
+	PYTHONUNBUFFERED=1 $(RUN) python -m bd_train.stages run $(PRESET_FILE) --stage $(STAGE)
 
 # Two pytest workers (pytest-xdist), a test file each at a time so that module fixtures run once:
 # most tests spend their time compiling on one thread. The slowest files go first (conftest.py's

@@ -7,7 +7,9 @@ files then end in `-<id>`: `done-<id>.json`, `restores-<id>.jsonl`). It works in
 id, so a rerun continues from whatever checkpoints the killed attempt left, as the flow's `resume`
 does; a finished chain writes `<case dir>/done.json` (each stage's step and history). Every train
 state a stage restores from its own checkpoints is noted in `<case dir>/restores.jsonl` (stage and
-step), so a test can tell a continued stage from one that started over.
+step), so a test can tell a continued stage from one that started over. With `--command`
+(`python sigkill_worker.py <case dir> --command`) the chain runs through the user's command,
+`python -m bd_train.stages run <preset>`, in this process.
 
 The config is written relative to the case dir, so every case saves the same config in its
 checkpoints' metadata. `JAX_COMPILATION_CACHE_DIR`, if set, is the JAX cache of every case (in
@@ -28,18 +30,31 @@ RUN_ID = "sigkill"
 STAGES = ("sft-teacher", "sft-student", "opd", "grpo")
 
 
-def config(processes: int = 1) -> dict:
+def preset(processes: int = 1) -> dict:
     """The smoke preset, saving every 2 updates (several saves per stage: SFT 2, 4, 6; OPD 2, 3;
     GRPO 2, 4), with a cheap evaluation (4 problems, greedy only); for a group of `processes`,
-    the data axis spans them."""
-    from bd_train.stages import parse_pipeline_config
-
+    the data axis spans them. As TOML data (`toml` writes it)."""
     data = tomllib.loads(SMOKE.read_text())
     if processes > 1:
         data["mesh"] = {"data": processes}
     data["run"].update(output_dir="runs", checkpoint_every=2, max_to_keep=2)
     data["eval"].update(n=4, batch_size=4, samples_shown=2, samples=0, thresholds=[])
-    return parse_pipeline_config(data)
+    return data
+
+
+def config(processes: int = 1) -> dict:
+    from bd_train.stages import parse_pipeline_config
+
+    return parse_pipeline_config(preset(processes))
+
+
+def toml(data: dict, prefix: str = "") -> str:
+    """TOML text of preset data (scalars, lists and tables; JSON's literals are TOML's)."""
+    lines = [f"{key} = {json.dumps(value)}" for key, value in data.items() if not isinstance(value, dict)]
+    for key, value in data.items():
+        if isinstance(value, dict):
+            lines += ["", f"[{prefix}{key}]", toml(value, f"{prefix}{key}.")]
+    return "\n".join(lines)
 
 
 def checkpoint_dir(case: Path, stage: str) -> Path:
@@ -81,6 +96,31 @@ def _note_restores(case: Path, suffix: str = "") -> None:
     Checkpointer.restore = noted  # type: ignore[method-assign]
 
 
+def command(case: Path) -> None:
+    """The chain as a user runs (and reruns) it: `python -m bd_train.stages run <preset>`, with the
+    preset written to `<case dir>/preset.toml`; `done.json` from the checkpoints it leaves."""
+    from bd_train import Checkpointer
+    from bd_train.stages import parse_pipeline_config
+    from bd_train.stages.__main__ import main as stages
+
+    case.mkdir(parents=True, exist_ok=True)
+    os.chdir(case)
+    _share_compilation_cache()
+    _note_restores(case)
+    text = toml(preset())
+    assert parse_pipeline_config(text) == config(), "the preset's TOML does not read back as the preset"
+    (case / "preset.toml").write_text(text)
+    code = stages(["run", "preset.toml", "--run-id", RUN_ID])
+    if code:
+        sys.exit(code)
+    summary = {}
+    for stage in STAGES:
+        with Checkpointer(checkpoint_dir(case, stage), create=False) as checkpoints:
+            meta = checkpoints.read_meta()
+        summary[stage] = {"step": meta["step"], "history": meta["history"]}
+    (case / "done.json").write_text(json.dumps(summary))
+
+
 def main(case: Path, processes: int = 1, suffix: str = "") -> None:
     from bd_train.stages import RunDir, check_distillation_pair, run_grpo, run_opd, run_sft
 
@@ -107,7 +147,7 @@ def _stall(spec: str, case: Path, index: int) -> None:
     stage, step, process = spec.split(":")
     if int(process) != index:
         return
-    from bd_train._watchdog import Watchdog
+    from bd_train.distributed import Watchdog
 
     mark = Watchdog.mark
 
@@ -121,7 +161,9 @@ def _stall(spec: str, case: Path, index: int) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 2:
+    if sys.argv[2:] == ["--command"]:
+        command(Path(sys.argv[1]).resolve())
+    elif len(sys.argv) == 2:
         main(Path(sys.argv[1]).resolve())
     else:
         from bd_train.distributed import ProcessGroup, initialize, shutdown

@@ -124,16 +124,17 @@ def _env(cache: Path, xla_flags: str) -> dict[str, str]:
             "EQX_ON_ERROR": "nan"}
 
 
-def _attempt(case: Path, env: dict[str, str], kill: Kill | None = None) -> Attempt:
+def _attempt(case: Path, env: dict[str, str], kill: Kill | None = None, *, command: bool = False) -> Attempt:
     """One run of the worker on `case`; with `kill`, SIGKILL to its process group once
-    `kill.when(case)` holds."""
+    `kill.when(case)` holds; with `command`, the chain runs through `python -m bd_train.stages run`."""
     noted = case / "restores.jsonl"
     seen = len(noted.read_text().splitlines()) if noted.exists() else 0
     begun = time.monotonic()
     with open(case.parent / f"{case.name}.log", "a") as log:
         log.write(f"\n=== attempt (kill: {kill.name if kill else None}) ===\n")
         log.flush()
-        proc = subprocess.Popen([sys.executable, str(WORKER), str(case)], env=env, stdout=log,
+        proc = subprocess.Popen([sys.executable, str(WORKER), str(case), *(["--command"] if command else [])],
+                                env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         at_kill = None
         try:
@@ -183,11 +184,13 @@ def reference(tmp_path_factory, cache, child_xla_flags) -> Path:
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory, cache, reference, child_xla_flags) -> tuple[Path, list[Attempt]]:
     """The chain killed at every kill point in turn, then run to the end: one attempt per kill
-    point (in `KILLS` order), and the last."""
+    point (in `KILLS` order), and the last. These attempts run the chain as a user does, through
+    `python -m bd_train.stages run <preset>` (the reference calls the stage functions itself), so
+    the command, rerun after each kill, must end bit-identical to the uninterrupted chain."""
     case = tmp_path_factory.mktemp("sigkill") / "killed"
     env = _env(cache, child_xla_flags)
-    attempts = [_attempt(case, env, kill) for kill in KILLS]
-    attempts.append(_attempt(case, env))
+    attempts = [_attempt(case, env, kill, command=True) for kill in KILLS]
+    attempts.append(_attempt(case, env, command=True))
     for attempt in attempts:
         print(f"{attempt.kill or 'to the end'}: rc {attempt.returncode}, {attempt.seconds:.0f} s; restored "
               f"{attempt.restored}; at the kill {attempt.at_kill}; after it {attempt.after_kill}")

@@ -178,3 +178,23 @@ def test_a_bad_lost_after_is_named(monkeypatch):
     with pytest.raises(DistributedError, match=r"lost_after_s = 0.5: a process must be allowed at least 2 s"):
         initialize(ProcessGroup.single(), lost_after_s=0.5)
     assert initialize(ProcessGroup.single()) == ProcessGroup.single()
+
+
+def test_the_group_is_detected_from_bdlm_variables_then_from_the_cluster(monkeypatch):
+    """`python -m bd_train.stages run` joins the group `ProcessGroup.detect` finds: the `BDLM_*`
+    variables, else JAX's cluster detection (here SLURM's variables, as `srun` sets them for the
+    second task of two on one node), else one process."""
+    for name in [n for n in os.environ if n.startswith(("SLURM_", "OMPI_", "BDLM_", "KUBERNETES_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("JAX_COORDINATOR_PORT", raising=False)
+    assert ProcessGroup.detect()[0] == ProcessGroup.single()
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+             "SLURM_LOCALID": "1", "SLURM_STEP_NUM_NODES": "1", "JAX_COORDINATOR_PORT": "51234"}
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    group, source = ProcessGroup.detect()
+    assert group == ProcessGroup("127.0.0.1:51234", 2, 1) and "slurm" in source
+    monkeypatch.setenv("BDLM_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    monkeypatch.setenv("BDLM_NUM_PROCESSES", "4")
+    monkeypatch.setenv("BDLM_PROCESS_ID", "3")
+    assert ProcessGroup.detect() == (ProcessGroup("10.0.0.1:1234", 4, 3), "the BDLM_* environment")

@@ -4,8 +4,8 @@ Weighted metrics that reduce globally (normalize once over all microbatches and 
 validated batches, traces and rollouts, the attention rule of the view layout, config errors and
 fingerprints; where a released checkpoint's files are (`resolve_pretrained`: a folder, or a Hub
 repo id through the Hub cache); and `with_huge_page_malloc`, the glibc setting that spares XLA:CPU
-a page fault per 4 KiB of its buffers per execution. Depends on jax and numpy only (a Hub id needs
-huggingface_hub, imported when one is resolved).
+a page fault per 4 KiB of its buffers per execution. Depends on jax and numpy, and on
+huggingface_hub, imported only when a Hub id is resolved.
 
 Shape letters, one meaning each across every bdlm package (arrays are named `x_BxTxD`):
 

@@ -4,8 +4,8 @@ as the Hub library reads them) to a snapshot folder and the commit it holds.
 
 Only the files a model needs are fetched: `config.json`, safetensors and their index, the
 tokenizer's files and the generation config. Pickled weights (`*.bin`, `*.pt`) and remote code are
-never fetched. `huggingface_hub` is imported only when a repo id is resolved, so this package keeps
-depending on jax and numpy alone; bd_models and bd_data install it.
+never fetched. `huggingface_hub` is imported only when a repo id is resolved (importing bd_core
+stays as cheap as jax and numpy).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def resolve_pretrained(ref: str | os.PathLike, revision: str | None = None) -> P
         import huggingface_hub
         from huggingface_hub import errors
     except ImportError:
-        raise HubError(f"{text!r} is a Hub repo id, and reading it needs huggingface_hub (installed with bd-models "
-                       f"and bd-data); install it, or pass a local folder") from None
+        raise HubError(f"{text!r} is a Hub repo id, and reading it needs huggingface_hub (a dependency of bd-core); "
+                       "install it, or pass a local folder") from None
     offline = _offline()
     try:
         folder = huggingface_hub.snapshot_download(text, revision=revision, cache_dir=_cache_dir(),

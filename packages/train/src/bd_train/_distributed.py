@@ -71,6 +71,27 @@ class ProcessGroup:
         return cls(environ[COORDINATOR_ENV], _int(environ, NUM_PROCESSES_ENV), _int(environ, PROCESS_ID_ENV))
 
 
+    @classmethod
+    def detect(cls) -> tuple[ProcessGroup, str]:
+        """This host's group and what named it: the `BDLM_*` variables (`from_env`); else JAX's own
+        cluster detection (a Cloud TPU VM, SLURM, Kubernetes, Open MPI: `jax.distributed`'s
+        environments), so one identical command on every host is the whole launch; else one
+        process."""
+        if any(os.environ.get(name) for name in (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV)):
+            return cls.from_env(), "the BDLM_* environment"
+        from jax._src import clusters  # jax.distributed's detection; no public handle returns what it found
+
+        env = next((e for e in clusters.ClusterEnv._cluster_types if not e.opt_in_only_method and e.is_env_present()),
+                   None)
+        if env is None:
+            return cls.single(), "one process (no BDLM_* variables, no cluster detected)"
+        address, count, index, _ = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            None, None, None, None, None, 300)
+        if count is None or count <= 1:
+            return cls.single(), f"one process ({env.name} reports one)"
+        return cls(address, int(count), int(index or 0)), f"JAX's {env.name} detection"
+
+
 def _int(environ, name: str) -> int:
     try:
         return int(environ[name])

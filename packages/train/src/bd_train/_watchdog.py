@@ -21,6 +21,7 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -176,7 +177,12 @@ class Watchdog(threading.Thread):
             with open(path, "w") as out:
                 out.write(f"bdlm: {verdict}\nprocess {self.me}, every thread:\n\n")
                 out.flush()
+                # faulthandler's (it needs no lock, but keeps each thread's innermost 100 frames,
+                # which inside JAX can hide the loop that called it), then every thread whole
                 faulthandler.dump_traceback(out, all_threads=True)
+                out.write("\nevery thread, whole (most recent call last):\n")
+                for ident, frame in sys._current_frames().items():
+                    out.write(f"\nthread {ident:#x}:\n" + "".join(traceback.format_stack(frame)))
         except OSError as err:
             path = f"(not written: {err})"
         sys.stderr.write(f"\nbdlm: {verdict}. Every thread's stack of process {self.me}: {path}. The group stops "

@@ -17,3 +17,4 @@ from ._distributed import shutdown as shutdown
 from ._watchdog import STALL_FACTOR_ENV as STALL_FACTOR_ENV
 from ._watchdog import STALL_FLOOR_ENV as STALL_FLOOR_ENV
 from ._watchdog import StallPolicy as StallPolicy
+from ._watchdog import Watchdog as Watchdog
