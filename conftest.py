@@ -56,6 +56,26 @@ SLOW_FILES = {
 }
 
 
+_SECONDS_BY_FILE: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Every phase's time, summed by test file (on the controller, from every worker)."""
+    path = report.nodeid.split("::", 1)[0]
+    _SECONDS_BY_FILE[path] = _SECONDS_BY_FILE.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The time each test file took (setup, calls and teardown), slowest first: what SLOW_FILES
+    and README's test section are kept from."""
+    if not _SECONDS_BY_FILE:
+        return
+    terminalreporter.section("seconds per test file")
+    for path, seconds in sorted(_SECONDS_BY_FILE.items(), key=lambda item: -item[1])[:20]:
+        terminalreporter.write_line(f"{seconds:7.1f}  {path}")
+    terminalreporter.write_line(f"{sum(_SECONDS_BY_FILE.values()):7.1f}  in all ({len(_SECONDS_BY_FILE)} files)")
+
+
 def pytest_collection_modifyitems(config, items):
     root = str(config.rootpath)
     weight = {os.path.join(root, path): seconds for path, seconds in SLOW_FILES.items()}

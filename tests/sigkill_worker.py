@@ -101,7 +101,7 @@ def command(case: Path) -> None:
     preset written to `<case dir>/preset.toml`; `done.json` from the checkpoints it leaves."""
     from bd_train import Checkpointer
     from bd_train.stages import parse_pipeline_config
-    from bd_train.stages.__main__ import main as stages
+    from bd_train.stages.cli import main as stages
 
     case.mkdir(parents=True, exist_ok=True)
     os.chdir(case)

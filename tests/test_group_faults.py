@@ -246,7 +246,9 @@ def test_a_stalled_process_ends_the_group_with_every_stack(faulted):
         stacks = case / "runs" / "pipeline" / _h.worker.RUN_ID / "stacks" / f"{stage}-process{i}.txt"
         assert str(stacks) in lines[0] and stacks.is_file()
         text = stacks.read_text()
-        assert "most recent call first" in text and "run_updates" in text, text[:2000]
+        assert "most recent call first" in text, text[:2000]
+        if i == int(slow):  # the stalled process's stack shows where it hangs (the others may have moved on)
+            assert "run_updates" in text, text[:2000]
     assert rerun.restored == [_left(attempt)] * PROCESSES, f"the rerun restored {rerun.restored}"
 
 

@@ -9,8 +9,8 @@ start from a Hugging Face checkpoint folder (`pretrained`: its weights, architec
 and `[run] export` writes every stage's model back in that format. `[role] lora` trains LoRA
 adapters instead in the stages it names, each on the frozen model the stage starts from.
 
-The stages need no orchestrator: `run_chain` (and `python -m bd_train.stages run <preset>`, the
-same command on every host of a group) calls them in order; `flows/bd_pipeline.py` is a thin
+The stages need no orchestrator: `bd_train.stages.cli.run_chain` (and `python -m bd_train.stages
+run <preset>`, the same command on every host of a group) calls them in order; `flows/bd_pipeline.py` is a thin
 Metaflow graph over the same functions. With a
 `[mesh]` they run sharded over it, across processes too once `bd_train.distributed.initialize`
 has joined a group (every process calls the same stage with the same config).
@@ -18,7 +18,6 @@ has joined a group (every process calls the same stage with the same config).
 
 from bd_core import ConfigError as ConfigError
 
-from ._chain import run_chain as run_chain
 from ._compat import check_adopted as check_adopted
 from ._compat import check_distillation_pair as check_distillation_pair
 from ._config import PipelineConfig as PipelineConfig
