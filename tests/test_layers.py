@@ -122,7 +122,10 @@ def longest_chain(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_imports_inside_bd_train_are_at_most_six_modules_deep():
-    chain = longest_chain(import_graph(ROOT / "packages" / "train" / "src" / "bd_train"))
+    # `python -m` launchers (`__main__`) are roots nothing imports: a line that forwards to a module
+    # is not a level of the library
+    graph = import_graph(ROOT / "packages" / "train" / "src" / "bd_train")
+    chain = longest_chain({name: deps for name, deps in graph.items() if not name.endswith(".__main__")})
     assert len(chain) <= 6, " -> ".join(chain)
 
 
