@@ -16,7 +16,7 @@ import numpy as np
 
 SHARDS = 2  # grain shards: one per process of the group, both read by the reference
 STEPS = 3
-RESTORES = 75
+RESTORES = 50
 
 
 def _batches(shard: int | None):

@@ -20,7 +20,7 @@ import pytest
 from bd_train.distributed import DistributedError, ProcessGroup, free_port
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
-RESTORES = 150  # clean restores in one process (each group process makes the worker's RESTORES)
+RESTORES = 100  # clean restores in one process (each group process makes the worker's RESTORES)
 
 
 def _worker_module():
@@ -104,7 +104,7 @@ def test_a_clean_checkpoint_is_never_refused(group):
             except CheckpointCorrupted as err:
                 refused.append(str(err))
     assert refused == [], f"{len(refused)} of {RESTORES} clean restores refused: {refused[0]}"
-    assert worker.RESTORES >= 75
+    assert worker.RESTORES >= 50
 
 
 def _stored_values(item_dir: Path) -> list[tuple[str, Path, int, int]]:
