@@ -494,7 +494,8 @@ class Checkpointer:
         step = self._resolve(step)
         self.check_fingerprints(fingerprints or {}, step, allow=allow)
         self.check_tree(target, step)
-        if data_iterator is not None and not self.read_meta(step).get("has_data_state"):
+        meta = self.read_meta(step)
+        if data_iterator is not None and not meta.get("has_data_state"):
             raise CheckpointError(f"checkpoint {self.directory} step {step} holds no data-iterator state; restore "
                                   "without data_iterator= and position the data yourself")
         arrays = _arrays_of(target)
@@ -504,7 +505,6 @@ class Checkpointer:
             for name, tree in arrays.items() if tree}
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-        meta = self.read_meta(step)
         restored = self._read(step, ocp.args.Composite(**items), "the saved state",
                               list(_flat_items({name: tree for name, tree in arrays.items() if tree})),
                               meta.get("digests"))
