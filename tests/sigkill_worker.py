@@ -1,15 +1,15 @@
 """The whole stage chain (teacher and student SFT, OPD, GRPO) of the smoke preset in one process,
-for `test_sigkill.py` to kill and rerun: `python sigkill_worker.py <case dir>`; or as one process
-of a group, each with one CPU device and the mesh's data axis over the group, for
-`test_group_faults.py`: `python sigkill_worker.py <case dir> <coordinator> <count> <id>` (its
-files then end in `-<id>`: `done-<id>.json`, `restores-<id>.jsonl`). It works in
+for `test_sigkill.py` to kill and rerun: `python sigkill_worker.py <case dir>`. It works in
 `<case dir>` (checkpoints under `runs/pipeline/sigkill/checkpoints/<stage>/`) with one fixed run
 id, so a rerun continues from whatever checkpoints the killed attempt left, as the flow's `resume`
 does; a finished chain writes `<case dir>/done.json` (each stage's step and history). Every train
 state a stage restores from its own checkpoints is noted in `<case dir>/restores.jsonl` (stage and
 step), so a test can tell a continued stage from one that started over. With `--command`
 (`python sigkill_worker.py <case dir> --command`) the chain runs through the user's command,
-`python -m bd_train.stages run <preset>`, in this process.
+`python -m bd_train.stages run <preset>`, in this process; with the `BDLM_*` group variables set
+(`test_group_faults.py`), the command joins that group as one of its processes, each with one CPU
+device and the mesh's data axis over the group (its files then end in `-<id>`: `done-<id>.json`,
+`restores-<id>.jsonl`).
 
 The config is written relative to the case dir, so every case saves the same config in its
 checkpoints' metadata. `JAX_COMPILATION_CACHE_DIR`, if set, is the JAX cache of every case (in
@@ -36,7 +36,7 @@ def preset(processes: int = 1) -> dict:
     the data axis spans them. As TOML data (`toml` writes it)."""
     data = tomllib.loads(SMOKE.read_text())
     if processes > 1:
-        data["mesh"] = {"data": processes}
+        data["mesh"] = {"data": processes, "num_nodes": processes}
     data["run"].update(output_dir="runs", checkpoint_every=2, max_to_keep=2)
     data["eval"].update(n=4, batch_size=4, samples_shown=2, samples=0, thresholds=[])
     return data
@@ -96,9 +96,10 @@ def _note_restores(case: Path, suffix: str = "") -> None:
     Checkpointer.restore = noted  # type: ignore[method-assign]
 
 
-def command(case: Path) -> None:
+def command(case: Path, processes: int = 1, suffix: str = "") -> None:
     """The chain as a user runs (and reruns) it: `python -m bd_train.stages run <preset>`, with the
-    preset written to `<case dir>/preset.toml`; `done.json` from the checkpoints it leaves."""
+    preset written to `<case dir>/preset.toml` (the command finds the group of `processes` in the
+    environment); `done<suffix>.json` from the checkpoints it leaves."""
     from bd_train import Checkpointer
     from bd_train.stages import parse_pipeline_config
     from bd_train.stages.cli import main as stages
@@ -106,11 +107,11 @@ def command(case: Path) -> None:
     case.mkdir(parents=True, exist_ok=True)
     os.chdir(case)
     _share_compilation_cache()
-    _note_restores(case)
-    text = toml(preset())
-    assert parse_pipeline_config(text) == config(), "the preset's TOML does not read back as the preset"
-    (case / "preset.toml").write_text(text)
-    code = stages(["run", "preset.toml", "--run-id", RUN_ID])
+    _note_restores(case, suffix)
+    text = toml(preset(processes))
+    assert parse_pipeline_config(text) == config(processes), "the preset's TOML does not read back as the preset"
+    (case / f"preset{suffix}.toml").write_text(text)
+    code = stages(["run", f"preset{suffix}.toml", "--run-id", RUN_ID])
     if code:
         sys.exit(code)
     summary = {}
@@ -118,17 +119,17 @@ def command(case: Path) -> None:
         with Checkpointer(checkpoint_dir(case, stage), create=False) as checkpoints:
             meta = checkpoints.read_meta()
         summary[stage] = {"step": meta["step"], "history": meta["history"]}
-    (case / "done.json").write_text(json.dumps(summary))
+    (case / f"done{suffix}.json").write_text(json.dumps(summary))
 
 
-def main(case: Path, processes: int = 1, suffix: str = "") -> None:
+def main(case: Path) -> None:
     from bd_train.stages import RunDir, check_distillation_pair, run_grpo, run_opd, run_sft
 
     case.mkdir(parents=True, exist_ok=True)
     os.chdir(case)
     _share_compilation_cache()
-    _note_restores(case, suffix)
-    cfg = config(processes)
+    _note_restores(case)
+    cfg = config()
     where = RunDir.create(cfg, run_id=RUN_ID)
     teacher = run_sft(cfg, where, role="teacher")
     student = run_sft(cfg, where, role="student")
@@ -137,7 +138,7 @@ def main(case: Path, processes: int = 1, suffix: str = "") -> None:
     grpo = run_grpo(cfg, where, start=opd)
     results = dict(zip(STAGES, (teacher, student, opd, grpo)))
     summary = {name: {"step": r.step, "history": r.history} for name, r in results.items()}
-    (case / f"done{suffix}.json").write_text(json.dumps(summary))
+    (case / "done.json").write_text(json.dumps(summary))
 
 
 def _stall(spec: str, case: Path, index: int) -> None:
@@ -161,16 +162,12 @@ def _stall(spec: str, case: Path, index: int) -> None:
 
 
 if __name__ == "__main__":
+    case = Path(sys.argv[1]).resolve()
     if sys.argv[2:] == ["--command"]:
-        command(Path(sys.argv[1]).resolve())
-    elif len(sys.argv) == 2:
-        main(Path(sys.argv[1]).resolve())
-    else:
-        from bd_train.distributed import ProcessGroup, initialize, shutdown
-
-        coordinator, count, index = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+        count = int(os.environ.get("BDLM_NUM_PROCESSES", "1"))
+        index = int(os.environ.get("BDLM_PROCESS_ID", "0"))
         if os.environ.get("BDLM_TEST_STALL"):
-            _stall(os.environ["BDLM_TEST_STALL"], Path(sys.argv[1]).resolve(), index)
-        initialize(ProcessGroup(coordinator, count, index), cpu_devices=1)
-        main(Path(sys.argv[1]).resolve(), count, f"-{index}")
-        shutdown()
+            _stall(os.environ["BDLM_TEST_STALL"], case, index)
+        command(case, count, f"-{index}" if count > 1 else "")
+    else:
+        main(case)

@@ -1,5 +1,7 @@
-"""A two-process group running the stage chain (`sigkill_worker.py`, the mesh's data axis over the
-group) meets what a cluster does to one of its processes, and resumes:
+"""A two-process group running the stage chain through the user's command (`python -m
+bd_train.stages run <preset>` on each process, the group from the `BDLM_*` variables, as
+`sigkill_worker.py --command` runs it; the mesh's data axis over the group) meets what a cluster
+does to one of its processes, and resumes with the same command:
 
 - SIGKILL of process 0, which starts the group's coordination service, inside the teacher's SFT:
   process 1 stops within the group's `BDLM_LOST_AFTER_S` (plus a margin) with bdlm's message
@@ -118,7 +120,9 @@ def _attempt(case: Path, env: dict[str, str], fault: Fault | None = None) -> Att
     coordinator = f"127.0.0.1:{free_port()}"
     begun = time.monotonic()
     logs = [open(_log(case, i), "a") for i in range(PROCESSES)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(case), coordinator, str(PROCESSES), str(i)], env=env,
+    group = {"BDLM_COORDINATOR_ADDRESS": coordinator, "BDLM_NUM_PROCESSES": str(PROCESSES)}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(case), "--command"],
+                              env={**env, **group, "BDLM_PROCESS_ID": str(i)},
                               stdout=logs[i], stderr=subprocess.STDOUT, start_new_session=True)
              for i in range(PROCESSES)]
     faulted = survivor = None
@@ -199,8 +203,7 @@ def test_sigterm_to_one_process_stops_the_whole_group_at_one_saved_step(faulted)
     index = NAMES.index("sigterm-to-one-inside-sft")
     attempt = attempts[index]
     assert attempt.after_fault is not None, "the SIGTERM was never sent"
-    stopped = [[line for line in log.splitlines() if line.startswith("bd_train.stages._run.StageError: sft-student: "
-                                                                      "stopped by SIGTERM at step ")]
+    stopped = [[line for line in log.splitlines() if line.startswith("bdlm: sft-student: stopped by SIGTERM at step ")]
                for log in attempt.logs]
     assert all(stopped), f"a process did not stop on the SIGTERM: {attempt.returncodes}\n{attempt.logs[0][-3000:]}"
     steps = {line.split("stopped by SIGTERM at step ")[1].split(";")[0] for lines in stopped for line in lines}
