@@ -53,7 +53,7 @@ SLOW_FILES = {
     "packages/train/tests/test_trainer.py": 137, "packages/train/tests/test_distributed.py": 80,
     "tests/test_guides.py": 86, "packages/models/tests/test_sampler.py": 73, "tests/test_sigkill.py": 66,
     "packages/train/tests/test_driver.py": 63, "packages/train/tests/test_learning.py": 55,
-    "packages/train/tests/test_checkpoint.py": 49,
+    "packages/train/tests/test_checkpoint.py": 49, "packages/train/tests/test_guard.py": 109,
 }
 
 

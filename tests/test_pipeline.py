@@ -187,6 +187,15 @@ def test_summary_table_is_kept_and_written(resumed_run):
     assert summary["teacher_sft"]["params_trained"] == summary["teacher_sft"]["params_total"]  # full fine-tuning
     for row in ("student_sft", "student_opd", "student_grpo"):  # LoRA: the adapters of one stage
         assert summary[row]["params_trained"] < 0.5 * summary[row]["params_total"]
+    # each stage's paired gain over the model it started from (GRPO: the one OPD's guard handed on)
+    guard = summary["student_opd"]["guard"]
+    assert guard["mode"] == "keep-best" and [p["step"] for p in guard["points"]] == [2, 3]  # checkpoint_every 2
+    handed_on = "student_sft" if guard["kept"] == "start" else "student_opd"
+    for row, over in (("student_opd", "student_sft"), ("student_grpo", handed_on)):
+        gain = summary[row]["gain"]
+        assert gain["over"] == over and set(gain) == {"over", "accuracy", "mean_reward", "pass@1", "pass@2", "pass@4"}
+        assert all(gain[k]["low"] <= gain[k]["estimate"] <= gain[k]["high"] for k in gain if k != "over")
+    assert "gain" not in summary["teacher_sft"] and "gain" not in summary["student_sft"]
     assert json.loads((cwd / "runs" / "latest" / "summary.json").read_text()) == summary
     # what `make run` prints after the flow: the latest run's tables for the preset
     shown = subprocess.run([sys.executable, "-m", "bd_train.stages", "summary", "lora.toml"], cwd=cwd,
@@ -214,7 +223,9 @@ def test_wandb_offline_logs_hold_the_stage_metrics(resumed_run):
     common = {"loss", "grad_norm", "learning_rate", "tokens", "skipped_total", "eval/accuracy", "eval/mean_reward"}
     for stage, keys in by_stage.items():
         assert common <= keys, (stage, common - keys)
-    assert {"kl", "teacher_agreement", "nfe_per_token"} <= by_stage["opd"]
+    assert {"kl", "teacher_agreement", "nfe_per_token", "guard/accuracy", "guard/change_low"} <= by_stage["opd"]
+    for stage in ("opd", "grpo"):  # the paired gain over the model the stage started from
+        assert {"eval/gain/accuracy", "eval/gain/accuracy_low", "eval/gain/accuracy_high"} <= by_stage[stage]
     assert {"reward_mean", "reward_std", "rollout_accuracy", "kl", "clip_fraction", "ratio_mean", "entropy",
             "nfe_per_token", "completion_length", "ratio_first_update"} <= by_stage["grpo"]
 
@@ -230,7 +241,7 @@ def test_cards_show_curves_eval_samples_and_a_trace(resumed_run, flow_runs):
     encoded = re.search(r'window.__MF_DATA__\["[^"]+"\] = "([^"]+)"', out.read_text()).group(1)
     card = base64.b64decode(encoded).decode()
     for text in ("Held-out evaluation", "Sample completions", "denoising trace", "mean_reward", "pass@4",
-                 "Accuracy vs NFE", "one per step", "trained parameters"):
+                 "Accuracy vs NFE", "one per step", "trained parameters", "Gain over"):
         assert text in card
     assert card.count('"type": "image"') == 3  # training curves, accuracy vs NFE and the trace picture
     summary_card = cwd / "summary_card.html"
@@ -240,7 +251,7 @@ def test_cards_show_curves_eval_samples_and_a_trace(resumed_run, flow_runs):
     encoded = re.search(r'window.__MF_DATA__\["[^"]+"\] = "([^"]+)"', summary_card.read_text()).group(1)
     card = base64.b64decode(encoded).decode()
     for text in ("Held-out summary", "pass@4", "Accuracy @ NFE per token", "student_grpo", "one per step",
-                 "trained params"):
+                 "trained params", "Gain over the previous stage", "paired 95% bootstrap interval", "OPD guard"):
         assert text in card
     assert card.count('"type": "image"') == 1  # the four models' accuracy-vs-NFE curves
 

@@ -45,6 +45,11 @@ def test_the_same_checkpoint_gives_the_same_numbers(checkpoint):
             assert point.pop("tokens_per_second") > 0
     assert first == second
     assert set(first["pass_at_k"]) == {"pass@1", "pass@2", "pass@4"}
+    intervals = first["intervals"]  # Wilson for the accuracy, a bootstrap over problems for pass@k
+    assert set(intervals) == {"accuracy", "pass@1", "pass@2", "pass@4"} and intervals["accuracy"]["method"] == "Wilson"
+    for key, value in [("accuracy", first["greedy"]["accuracy"]), *first["pass_at_k"].items()]:
+        assert intervals[key]["low"] <= value <= intervals[key]["high"] and intervals[key]["estimate"] == value
+    assert intervals["accuracy"]["high"] > 0  # Wilson's interval has width even at 0 of 8
     assert first["greedy"]["n"] == 8 and [p["decoding"] for p in first["accuracy_vs_nfe"]] == [
         "τ 0.5", "τ 0.9", "one per step"]
     one_per_step = first["accuracy_vs_nfe"][-1]
@@ -58,7 +63,7 @@ def test_the_command_writes_json_and_a_plot_and_refuses_a_bad_folder_in_one_line
     done = subprocess.run([sys.executable, "-m", "bd_train.evaluate", "--checkpoint", checkpoint, "--n", "8",
                            "--samples", "2", "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "pass@2" in done.stdout and "one per step" in done.stdout
+    assert "pass@2" in done.stdout and "one per step" in done.stdout and "(Wilson 95%)" in done.stdout
     assert json.loads(out.read_text())["n"] == 8 and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     missing = subprocess.run([sys.executable, "-m", "bd_train.evaluate", "--checkpoint", str(tmp_path / "nope")],
                              env=env, capture_output=True, text=True, timeout=300)

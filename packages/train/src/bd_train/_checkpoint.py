@@ -350,10 +350,12 @@ class Checkpointer:
 
     def save(self, state: TrainState, *, fingerprints: Mapping[str, Fingerprint] | None = None,
              config: Any = None, data_iterator: Any = None, force: bool = False,
-             history: list[dict[str, Any]] | None = None, overrides: list[dict[str, Any]] | None = None) -> int:
+             history: list[dict[str, Any]] | None = None, overrides: list[dict[str, Any]] | None = None,
+             extra: Mapping[str, Any] | None = None) -> int:
         """Save `state` at its step; returns the step. `config` (a mapping or dataclass), the
-        metric `history` so far (JSON-ready rows) and the deliberate fingerprint `overrides`
-        accepted on earlier resumes are stored whole in the JSON metadata."""
+        metric `history` so far (JSON-ready rows), the deliberate fingerprint `overrides`
+        accepted on earlier resumes and `extra` (JSON-ready values a caller keeps with the step:
+        the stages' OPD guard keeps its comparisons there) are stored whole in the JSON metadata."""
         if state.accumulator is not None and int(state.accumulator.count) != 0:
             raise CheckpointError("save: the state holds a partly accumulated update; save after a call with "
                                   "is_update_step=True")
@@ -371,11 +373,13 @@ class Checkpointer:
             "digests": None if deferred else digest_host_shards(shards),
             "history": history,
             "overrides": overrides or [],
+            "extra": dict(extra or {}),
         }
         try:  # a copy, as JSON: the caller's lists (the history) grow while an asynchronous save writes
             meta = json.loads(json.dumps(meta))
         except TypeError as err:
-            raise CheckpointError(f"save: the metadata (config, history or overrides) is not JSON ({err})") from None
+            raise CheckpointError(f"save: the metadata (config, history, overrides or extra) is not JSON "
+                                  f"({err})") from None
         # Orbax refuses empty trees (e.g. plain SGD's optimizer state): such items are left out.
         items: dict[str, Any] = {name: ocp.args.StandardSave(tree) for name, tree in arrays.items() if tree}
         # a _PendingMeta becomes the mapping inside the commit (`_meta_handler`)

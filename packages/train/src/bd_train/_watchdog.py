@@ -8,7 +8,7 @@ process's mark. The first to see one unchanged too long writes its verdict to th
 process then dumps every thread's stack into `<run>/stacks/<stage>-process<i>.txt`, prints one
 line naming the stage, the step and the process furthest behind, and exits 75, so a scheduler
 restarts the group from its last complete checkpoint. The first update of a stage (it compiles)
-and evaluation are not watched.
+and evaluation are not watched (a loop that marks "evaluating" is not timed until it marks again).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ STALL_FLOOR_ENV = "BDLM_STALL_FLOOR_S"
 STALLED_KEY = "bdlm/stalled"
 # Where a loop can be, in the order one update passes through them (`_RANK`): an update that
 # begun after step s, its programs dispatched, done at step s', then saving s'.
-_RANK = {"done": 0, "saving": 1, "update": 2, "dispatched": 3}
+_RANK = {"done": 0, "evaluating": 1, "saving": 2, "update": 3, "dispatched": 4}
 _SAY = {"update": "in the update after step {}", "dispatched": "waiting on the update after step {}",
-        "done": "after step {}", "saving": "saving step {}"}
+        "done": "after step {}", "evaluating": "evaluating at step {}", "saving": "saving step {}"}
 
 Mark = Callable[[str, int], None]
 
@@ -123,8 +123,9 @@ class Watchdog(threading.Thread):
                 self.client.key_value_set(f"bdlm/frame/{self.me}", _main_frame(), allow_overwrite=True)
                 now = time.monotonic()
                 values = {p: _try_get(self.client, f"bdlm/progress/{p}") for p in range(self.n)}
+                evaluating = any((value or "").split("|")[1:2] == ["evaluating"] for value in values.values())
                 for p, value in values.items():
-                    if p not in seen or seen[p][0] != value:
+                    if p not in seen or seen[p][0] != value or evaluating:
                         seen[p] = (value, now)
                 median = self.median()
                 allowed = self.policy.allowance(median)

@@ -7,7 +7,10 @@
 Reports greedy accuracy and mean reward, NFE per generated token, generated tokens per second
 (timed after compilation), pass@k with the unbiased estimator (K samples per problem at the
 rollout temperature, `[grpo] sampler`), and accuracy against NFE over decoding thresholds
-(τ ∈ {0.5, 0.7, 0.9, 0.95} and one token per step) as a table, JSON and a plot. The checkpoint's
+(τ ∈ {0.5, 0.7, 0.9, 0.95} and one token per step) as a table, JSON and a plot. Greedy accuracy
+comes with Wilson's 95% score interval (a proportion of independent problems), each pass@k with
+a 95% percentile bootstrap interval over the problems (10,000 resamples of the per-problem
+estimates, a fixed seed: the same checkpoint gives the same interval). The checkpoint's
 own config (kept in its metadata) defines the tokenizer, canvas and eval split; for a Hugging Face
 folder (config.json + safetensors) a preset does, with the folder as `[student] pretrained`.
 """
@@ -30,6 +33,7 @@ from bd_models import ModelConfig
 from ._checkpoint import Checkpointer, CheckpointError
 from .stages._config import parse_pipeline_config
 from .stages._evaluate import evaluate_report, pass_at_k
+from .stages._intervals import bootstrap_interval, wilson_interval
 from .stages._plots import accuracy_nfe_png
 from .stages._run import Run, StageError
 
@@ -86,19 +90,27 @@ def evaluate(checkpoint: str | Path, *, task: str | None = None, samples: int = 
     result = evaluate_report(model, run, key=jax.random.key(seed), samples=samples, thresholds=thresholds,
                              timed=True)
     metrics = result.metrics()
+    per_problem = result.per_problem()
+    correct = int(per_problem["accuracy"].sum())
+    intervals = {"accuracy": wilson_interval(correct, result.n).to_dict(),
+                 **{k: bootstrap_interval(per_problem[k]).to_dict() for k in result.pass_at_k}}
     return {"checkpoint": str(checkpoint), "task": run.config.task.name, "n": result.n,
             "greedy": {k: v for k, v in metrics.items() if not k.startswith("pass@")},
-            "samples_per_problem": samples, "pass_at_k": dict(result.pass_at_k),
+            "samples_per_problem": samples, "pass_at_k": dict(result.pass_at_k), "intervals": intervals,
             "accuracy_vs_nfe": [dataclasses.asdict(p) for p in result.accuracy_vs_nfe]}
 
 
 def format_report(report: dict[str, Any]) -> str:
-    greedy = report["greedy"]
+    greedy, intervals = report["greedy"], report["intervals"]
+
+    def bounds(key: str) -> str:
+        return f"[{intervals[key]['low']:.3f}, {intervals[key]['high']:.3f}]"
+
     lines = [f"{report['checkpoint']}: {report['task']}, {report['n']} held-out problems",
-             f"greedy: accuracy {greedy['accuracy']:.3f}, mean reward {greedy['mean_reward']:.3f}, "
-             f"NFE/token {greedy['nfe_per_token']:.3f}",
-             "  ".join(f"{k} {v:.3f}" for k, v in report["pass_at_k"].items())
-             + f"  ({report['samples_per_problem']} samples per problem)",
+             f"greedy: accuracy {greedy['accuracy']:.3f} {bounds('accuracy')} (Wilson 95%), mean reward "
+             f"{greedy['mean_reward']:.3f}, NFE/token {greedy['nfe_per_token']:.3f}",
+             "  ".join(f"{k} {v:.3f} {bounds(k)}" for k, v in report["pass_at_k"].items())
+             + f"  ({report['samples_per_problem']} samples per problem; bootstrap 95% over problems)",
              f"{'decoding':<14} {'accuracy':>9} {'NFE/token':>10} {'tokens/s':>10}"]
     lines += [f"{p['decoding']:<14} {p['accuracy']:>9.3f} {p['nfe_per_token']:>10.3f} {p['tokens_per_second']:>10.0f}"
               for p in report["accuracy_vs_nfe"]]

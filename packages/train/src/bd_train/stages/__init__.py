@@ -31,6 +31,12 @@ from ._evaluate import Evaluation as Evaluation
 from ._evaluate import NFEPoint as NFEPoint
 from ._evaluate import Sample as Sample
 from ._evaluate import evaluate as evaluate
+from ._guard import Guard as Guard
+from ._intervals import Interval as Interval
+from ._intervals import bootstrap_interval as bootstrap_interval
+from ._intervals import gain_intervals as gain_intervals
+from ._intervals import paired_interval as paired_interval
+from ._intervals import wilson_interval as wilson_interval
 from ._rollout import Rollouts as Rollouts
 from ._rollout import grpo_config as grpo_config
 from ._rollout import roll_out as roll_out
@@ -40,6 +46,9 @@ from ._run import RunDir as RunDir
 from ._run import StageError as StageError
 from ._summary import curve_rows as curve_rows
 from ._summary import format_summary as format_summary
+from ._summary import gain_keys as gain_keys
+from ._summary import gain_rows as gain_rows
+from ._summary import guard_lines as guard_lines
 from ._summary import pass_keys as pass_keys
 from ._summary import print_summary as print_summary
 from ._summary import summarize as summarize

@@ -262,7 +262,11 @@ class SFTSection:
 @dataclasses.dataclass(frozen=True)
 class OPDSection:
     """`microbatches` splits each step's rollouts into that many parts accumulated inside the one
-    update (exact, as in SFT): a large model's replay logits need not fit at once."""
+    update (exact, as in SFT): a large model's replay logits need not fit at once. `guard` is
+    what follows when the held-out problems show the teacher no better than the student before
+    OPD, or the student worse than where OPD started during or after it (`_guard`): "keep-best"
+    hands the next stage OPD's start when OPD ends worse, "warn" only says so, "stop" stops the
+    run there."""
 
     steps: int = 100
     prompts_per_step: int = 64
@@ -270,6 +274,9 @@ class OPDSection:
     kl_temperature: float = 1.0
     hard_ce_weight: float = 0.0
     positions: Literal["committed", "masked"] = "masked"
+    # "keep-best" by default: a pipeline whose result is its student should not hand on one that
+    # distillation made measurably worse; it costs one greedy held-out evaluation per checkpoint.
+    guard: Literal["keep-best", "warn", "stop"] = "keep-best"
     optim: OptimSection = OptimSection(lr=1e-3, warmup_steps=5)
     sampler: SamplerSection = SamplerSection(temperature=1.0)
 

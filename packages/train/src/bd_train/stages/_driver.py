@@ -1,8 +1,8 @@
 """The one driver every stage recipe calls: `drive(run, spec, state, step_fn, data)` resumes the
 stage from its latest checkpoint, runs `step_fn` to `spec.total` updates with periodic saves,
 SIGTERM handling, the group's progress watchdog, W&B tracking and a progress bar, evaluates on
-the held-out split (greedy, pass@k and accuracy vs NFE, as `[eval]` asks), and returns the
-stage's small `StageResult`.
+the held-out split (greedy, pass@k and accuracy vs NFE, as `[eval]` asks) with the paired
+change over the model the stage started from, and returns the stage's small `StageResult`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from bd_models import count_params, merge
 from .._checkpoint import CheckpointError
 from .._loop import run_updates
 from .._watchdog import StallPolicy, watch_progress
-from ._evaluate import Evaluation, eval_examples, evaluate_report
+from ._evaluate import Evaluation, eval_examples, evaluate, evaluate_report
+from ._guard import Guard
+from ._intervals import gain_intervals
 from ._plots import curves_png
 from ._run import Run, StageError, open_checkpoints
 from ._tracking import Tracker
@@ -39,7 +41,9 @@ StepFn = Callable[["TrainState", int], "tuple[TrainState, dict]"]
 class StageSpec:
     """What a recipe hands the driver. `name` names the checkpoint folder, the W&B job type and
     the progress bar; every checkpoint pins `fingerprints`; `updates_per_step` is how many updates
-    one `step_fn` call takes (GRPO's updates per rollout)."""
+    one `step_fn` call takes (GRPO's updates per rollout). `start` is the result of the stage
+    whose model this one starts from (its evaluation is the baseline of the paired change);
+    `guard` (OPD's) compares the model at every periodic checkpoint and at the end."""
 
     name: str
     role: str
@@ -51,6 +55,8 @@ class StageSpec:
     eval_key: jax.Array
     mesh: jax.sharding.Mesh | None = None
     updates_per_step: int = 1
+    start: StageResult | None = None
+    guard: Guard | None = None
 
 
 @dataclasses.dataclass
@@ -72,10 +78,22 @@ class StageResult:
     # (the first, which compiles) and `eval` seconds; `(train - first) / (updates - 1)` is the
     # compiled update's time.
     seconds: dict[str, float] | None = None
+    # The evaluation's paired change over the model the stage started from: {"over": its stage,
+    # "metrics": {"accuracy": Interval.to_dict(), "mean_reward": ..., "pass@k": ...}}.
+    gain: dict[str, Any] | None = None
+    guard: dict[str, Any] | None = None  # OPD's guard: its comparisons and decision (`Guard.record`)
+    # The earlier stage's result whose model the next stage starts from instead of this one's
+    # (OPD's guard in "keep-best" mode, when OPD ended worse than its start).
+    kept: StageResult | None = None
 
     @property
     def fingerprint(self) -> Fingerprint:
         return Fingerprint.from_json(self.identity)
+
+    @property
+    def handed_on(self) -> StageResult:
+        """The result whose checkpoint the next stage starts from: this one, or the one it kept."""
+        return self if self.kept is None else self.kept.handed_on
 
 
 class SimulatedFailure(RuntimeError):
@@ -94,6 +112,7 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
     raises `SimulatedFailure` right after the update that reaches that step is saved, in a run
     that started before it."""
     cfg = run.config
+    guard = spec.guard
     directory = run.where.checkpoint_dir(spec.name)
     checkpoints = open_checkpoints(directory, create=True, max_to_keep=cfg.run.max_to_keep,
                                    async_save=cfg.run.async_checkpoints)
@@ -108,6 +127,8 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             history, overrides = list(meta.get("history") or []), list(meta.get("overrides") or [])
         except (FingerprintMismatch, CheckpointError) as err:
             raise StageError(f"{spec.name}: cannot continue from {directory}: {err}") from None
+        if guard is not None:  # its comparisons so far, judged again: a resumed run decides the same
+            guard.restore(list((meta.get("extra") or {}).get("guard") or []))
         if accepted:  # deliberate, named in [run] allow_changes: said now and kept in every later checkpoint
             overrides.append({"step": int(state.step), "changes": {k: list(v) for k, v in sorted(accepted.items())}})
             print(f"{spec.name}: continuing from step {int(state.step)} with changed settings ([run] allow_changes): "
@@ -122,7 +143,8 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             checkpoints.wait()  # the periodic save of this very step may still be in flight
         if int(state.step) not in checkpoints.all_steps():
             checkpoints.save(state, fingerprints=spec.fingerprints, config=cfg.to_dict(), data_iterator=data,
-                             force=True, history=history, overrides=overrides)
+                             force=True, history=history, overrides=overrides,
+                             extra=None if guard is None else {"guard": guard.points})
         if final:
             checkpoints.wait()
 
@@ -130,6 +152,8 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
         bar = None  # made after the first update, which compiles: its time would skew the bar's rate and ETA
         begun = time.perf_counter()
         seconds = {"updates": 0.0, "train": 0.0, "first": 0.0, "eval": 0.0}
+        mark: Callable[[str, int], None] | None = None  # the watchdog's, once it watches
+        every = cfg.run.checkpoint_every
 
         def on_update(state: TrainState, metrics: dict) -> None:
             nonlocal bar
@@ -155,6 +179,18 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             else:
                 bar.set_postfix(postfix, refresh=False)
                 bar.update(1)
+            # The guard looks where the periodic saves are (before this step's save, which keeps
+            # what it found), whether or not this run was interrupted in between.
+            if guard is not None and every and step < spec.total and step // every > (
+                    step - spec.updates_per_step) // every:
+                if mark is not None:
+                    mark("evaluating", step)
+                stop = guard.observe(step, evaluate(merge(state.model), run, key=spec.eval_key, mesh=spec.mesh,
+                                                    title=f"{spec.role} at step {step} of {spec.title}"))
+                tracker.log(guard.metrics(step), step=step)
+                if stop:
+                    save(state)
+                    raise guard.stop_error()
             if fail_after is not None and start < fail_after <= step:
                 save(state)
                 raise SimulatedFailure(f"{spec.name}: simulated failure after step {step} (fail_after={fail_after})")
@@ -164,8 +200,7 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
                 policy = StallPolicy.resolve(cfg.run.stall_factor, cfg.run.stall_floor_s)
                 with watch_progress(spec.name, policy, Path(run.where.run_dir) / "stacks") as mark:
                     state, preempted = run_updates(state, spec.total, lambda s: step_fn(s, int(s.step)), save=save,
-                                                   on_update=on_update, save_every=cfg.run.checkpoint_every,
-                                                   progress=mark)
+                                                   on_update=on_update, save_every=every, progress=mark)
             finally:
                 if bar is not None:
                     bar.close()
@@ -186,11 +221,25 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             export = run.export(model, spec.name, spec.role) if cfg.run.export else None
         log_evaluation(tracker, evaluation, step=spec.total)
         tracker.summary({f"params_{k}": v for k, v in count_params(state.model).items()})
+        gain = None
+        if spec.start is not None and spec.start.evaluation is not None:
+            intervals = gain_intervals(evaluation, spec.start.evaluation)
+            if intervals:
+                gain = {"over": spec.start.stage, "metrics": {k: v.to_dict() for k, v in intervals.items()}}
+                log_gain(tracker, gain, step=spec.total)
+        if guard is not None:
+            stop = guard.observe(spec.total, evaluation, final=True)
+            tracker.log(guard.metrics(spec.total), step=spec.total)
+            tracker.summary({"guard/kept": guard.record()["kept"], "guard/mode": guard.mode})
+            if stop:
+                raise guard.stop_error()
     return StageResult(stage=spec.name, role=spec.role, checkpoint_dir=str(directory), step=int(state.step),
                        identity=spec.fingerprints["identity"].to_json(), history=history, evaluation=evaluation,
                        curves_png=curves_png(history, spec.curves, title=f"{spec.title} ({spec.role})"),
                        wandb_run_dir=str(tracker.run_dir), export_dir=None if export is None else str(export),
-                       params=count_params(state.model), seconds=seconds)
+                       params=count_params(state.model), seconds=seconds, gain=gain,
+                       guard=None if guard is None else guard.record(),
+                       kept=spec.start if guard is not None and guard.kept_start else None)
 
 
 def tracker_for(run: Run, stage: str) -> Tracker:
@@ -210,6 +259,17 @@ def log_evaluation(tracker: Tracker, evaluation: Evaluation, *, step: int) -> No
         tracker.log_table("eval/accuracy_vs_nfe", ["decoding", "accuracy", "mean_reward", "nfe_per_token"], rows,
                           step=step)
     tracker.summary(metrics)
+
+
+def log_gain(tracker: Tracker, gain: dict[str, Any], *, step: int) -> None:
+    """The paired change over the start, `eval/gain/<metric>` with `_low` and `_high`, logged and
+    in the run's summary (with `eval/gain/over`, the stage it is measured against)."""
+    values: dict[str, Any] = {}
+    for name, interval in gain["metrics"].items():
+        values |= {f"eval/gain/{name}": interval["estimate"], f"eval/gain/{name}_low": interval["low"],
+                   f"eval/gain/{name}_high": interval["high"]}
+    tracker.log(values, step=step)
+    tracker.summary({**values, "eval/gain/over": gain["over"]})
 
 
 def progress(*, total: int, description: str, initial: int = 0, postfix: Mapping[str, str] | None = None):

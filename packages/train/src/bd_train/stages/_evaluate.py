@@ -79,6 +79,20 @@ class Evaluation:
         return {"accuracy": self.accuracy, "mean_reward": self.mean_reward, "n": self.n,
                 "nfe_per_token": self.nfe_per_token, "generated_tokens": self.generated_tokens, **self.pass_at_k}
 
+    def per_problem(self) -> dict[str, np.ndarray]:
+        """Each metric's value per problem, whose mean is the metric: greedy correctness (`accuracy`),
+        the greedy reward (`mean_reward`) and each pass@k's unbiased estimate; empty for an
+        evaluation that kept no per-problem results."""
+        if not self.rewards:
+            return {}
+        rewards = np.asarray(self.rewards, np.float64)
+        out = {"accuracy": (rewards == 1.0).astype(np.float64), "mean_reward": rewards}
+        if self.correct_samples and self.samples_per_problem:
+            for key in self.pass_at_k:
+                k = int(key.removeprefix("pass@"))
+                out[key] = np.asarray([pass_at_k(self.samples_per_problem, c, k) for c in self.correct_samples])
+        return out
+
 
 @dataclasses.dataclass(frozen=True)
 class _Decoded:

@@ -267,7 +267,10 @@ class Run:
         # The chat template counts by its text, wherever it was read from (and, off, leaves the
         # fingerprint as it was before the key existed).
         task = {k: v for k, v in to_dict(cfg.task).items() if k != "chat_template"}
-        fields: dict[str, Any] = {"seed": cfg.run.seed, "task": task, section: getattr(cfg, section)}
+        # OPD's guard decides what is handed on, not what trains: a run stopped by it continues
+        # under another mode (and checkpoints from before the key existed still match).
+        values = {k: v for k, v in to_dict(getattr(cfg, section)).items() if k != "guard"}
+        fields: dict[str, Any] = {"seed": cfg.run.seed, "task": task, section: values}
         if self.chat_template is not None:
             fields["chat_template"] = self.chat_template.digest
         if section == "sft":

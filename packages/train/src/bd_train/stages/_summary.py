@@ -1,5 +1,7 @@
 """The pipeline's report: the held-out summary of the four models (greedy accuracy, reward, NFE
-per token, pass@k and the accuracy-vs-NFE curve), printed, kept as an artifact and written as JSON."""
+per token, pass@k and the accuracy-vs-NFE curve), each stage's gain over the model it started from
+with its paired 95% bootstrap interval over the problems, and what OPD's guard found; printed,
+kept as an artifact and written as JSON."""
 
 from __future__ import annotations
 
@@ -15,11 +17,18 @@ if TYPE_CHECKING:
 
 SUMMARY_ROWS = ("teacher_sft", "student_sft", "student_opd", "student_grpo")
 SUMMARY_KEYS = ("accuracy", "mean_reward", "n", "nfe_per_token")
+# The summary's row of each stage's model.
+ROWS = {"sft-teacher": "teacher_sft", "sft-student": "student_sft", "opd": "student_opd", "grpo": "student_grpo"}
+GAIN_KEYS = ("accuracy", "mean_reward")  # then pass@k
 
 
 def summarize(results: Mapping[str, StageResult], where: RunDir) -> dict[str, dict[str, Any]]:
-    """`{row: {accuracy, mean_reward, n, nfe_per_token, pass@k..., accuracy_vs_nfe}}` for the four
-    models, printed as tables and written to `<output_dir>/latest/summary.json` and the run folder."""
+    """`{row: {accuracy, mean_reward, n, nfe_per_token, pass@k..., accuracy_vs_nfe, gain, guard}}`
+    for the four models, printed as tables and written to `<output_dir>/latest/summary.json` and
+    the run folder. `gain` (a stage that started from another's model): `{"over": that row,
+    <metric>: {estimate, low, high, n, method, confidence, excludes_zero}}`, the change in greedy
+    accuracy, mean reward and pass@k, paired over the held-out problems. `guard` (OPD): what its
+    guard compared and kept (`kept`: "opd", or "start" when GRPO started from OPD's start)."""
     summary = {}
     for row in SUMMARY_ROWS:
         evaluation = results[row].evaluation
@@ -33,6 +42,11 @@ def summarize(results: Mapping[str, StageResult], where: RunDir) -> dict[str, di
             summary[row] |= {f"params_{k}": v for k, v in params.items()}
         if evaluation.accuracy_vs_nfe:
             summary[row]["accuracy_vs_nfe"] = [dataclasses.asdict(p) for p in evaluation.accuracy_vs_nfe]
+        gain = results[row].gain
+        if gain:
+            summary[row]["gain"] = {"over": ROWS.get(gain["over"], gain["over"]), **gain["metrics"]}
+        if results[row].guard:
+            summary[row]["guard"] = results[row].guard
     print(format_summary(summary))
     text = json.dumps(summary, indent=2)
     (Path(where.run_dir) / "summary.json").write_text(text)
@@ -100,7 +114,57 @@ def format_summary(summary: Mapping[str, Mapping[str, Any]]) -> str:
     if rows:
         lines += ["", "accuracy @ NFE/token by decoding", f"{'model':<14}" + "".join(f" {d:>14}" for d in decodings)]
         lines += [f"{cells[0]:<14}" + "".join(f" {c:>14}" for c in cells[1:]) for cells in rows]
+    heading, gains = gain_rows(summary)
+    if gains:
+        lines += ["", heading, f"{'model':<14} {'over':<14}" + "".join(f" {k:>25}" for k in gain_keys(summary))]
+        lines += [f"{cells[0]:<14} {cells[1]:<14}" + "".join(f" {c:>25}" for c in cells[2:]) for cells in gains]
+    lines += guard_lines(summary)
     return "\n".join(lines)
+
+
+def gain_keys(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The metrics with a paired interval in any row: accuracy, mean reward, then pass@k by k."""
+    present = {k for values in summary.values() for k in values.get("gain", {}) if k != "over"}
+    return [k for k in GAIN_KEYS if k in present] + [k for k in pass_keys(summary) if k in present]
+
+
+def gain_rows(summary: Mapping[str, Mapping[str, Any]]) -> tuple[str, list[list[str]]]:
+    """The gains table's heading and rows: model, the model it started from, then one
+    `+0.031 [-0.012, +0.074]` cell per metric (`*`: the interval excludes zero)."""
+    keys = gain_keys(summary)
+    rows, n = [], None
+    for row, values in summary.items():
+        gain = values.get("gain")
+        if not gain:
+            continue
+        cells = [row, gain["over"]]
+        for key in keys:
+            interval = gain.get(key)
+            cells.append("—" if interval is None else _interval_text(interval))
+            n = n if interval is None else interval["n"]
+        rows.append(cells)
+    heading = (f"gain over the model each stage started from: paired 95% bootstrap interval over the {n} held-out "
+               "problems (* excludes 0)")
+    return heading, rows
+
+
+def _interval_text(interval: Mapping[str, Any]) -> str:
+    mark = "*" if interval["excludes_zero"] else ""
+    return f"{interval['estimate']:+.3f} [{interval['low']:+.3f}, {interval['high']:+.3f}]{mark}"
+
+
+def guard_lines(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """What OPD's guard said and kept, for the printout and the card."""
+    lines = []
+    for values in summary.values():
+        guard = values.get("guard")
+        if not guard:
+            continue
+        kept = ("OPD's start (OPD ended worse than it)" if guard["kept"] == "start" else "OPD's model")
+        lines += ["", f"OPD guard ({guard['mode']}): {len(guard['points'])} comparison(s) with OPD's start; the next "
+                  f"stage started from {kept}"]
+        lines += [f"  {line}" for line in guard["said"]]
+    return lines
 
 
 def print_summary(path: str | Path) -> None:

@@ -25,14 +25,12 @@ from ._compat import check_adopted, check_distillation_pair
 from ._config import parse_pipeline_config, pipeline_config
 from ._driver import StageResult
 from ._run import RunDir, StageError
-from ._summary import print_summary, summarize
+from ._summary import ROWS, print_summary, summarize
 from .grpo import run_grpo
 from .opd import run_opd
 from .sft import run_sft
 
 STAGES = ("sft", "opd", "grpo")
-# The flow's summary rows, by stage: what `summarize` reads.
-ROWS = {"sft-teacher": "teacher_sft", "sft-student": "student_sft", "opd": "student_opd", "grpo": "student_grpo"}
 
 
 def run_chain(config: Any, where: RunDir, *, until: str = "grpo") -> dict[str, StageResult]:

@@ -20,6 +20,8 @@ GRPO_CURVES = ("reward_mean", "rollout_accuracy", "loss", "clip_fraction", "kl",
 
 
 def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int | None = None) -> StageResult:
+    """GRPO from the model `start` hands on (`start.handed_on`: OPD's, or the one its guard kept)."""
+    start = start.handed_on
     run = Run(config, where)
     run.enable_compilation_cache()
     section = run.config.grpo
@@ -58,6 +60,7 @@ def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int 
     spec = StageSpec("grpo", "student", "GRPO", total,
                      {"identity": identity, "rollout": run.rollout_semantics(section.sampler),
                       "training": run.training("grpo"), **adapters},
-                     optimizer.learning_rate_schedule(), GRPO_CURVES, keys["eval"], mesh, section.updates_per_rollout)
+                     optimizer.learning_rate_schedule(), GRPO_CURVES, keys["eval"], mesh, section.updates_per_rollout,
+                     start=start)
     return drive(run, spec, state, step_fn, prompts, fail_after=fail_after)
 

@@ -2,11 +2,15 @@
 are scored by the frozen teacher, and the student minimizes forward KL(teacher ‖ student) there.
 
 Both checkpoints are checked against the config's identity before anything trains. On a mesh,
-the replay and the teacher's scoring stay on the mesh: nothing is gathered to one host.
+the replay and the teacher's scoring stay on the mesh: nothing is gathered to one host. The guard
+(`[opd] guard`, `_guard`) compares teacher and student on the held-out problems before training,
+and the student with its start at every checkpoint and at the end; with "keep-best" the result
+hands on the start (`StageResult.kept`) when OPD ended worse than it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import equinox as eqx
@@ -19,7 +23,9 @@ from .._opd import OPDConfig, make_opd_loss
 from .._optim import make_optimizer
 from .._replay import build_replay, replay_capacity
 from .._trainer import Trainer, TrainerConfig
-from ._driver import StageResult, StageSpec, drive
+from ._driver import StageResult, StageSpec, drive, mesh_scope
+from ._evaluate import eval_examples, evaluate
+from ._guard import Guard, comparable
 from ._rollout import on_mesh, roll_out
 from ._run import Run, RunDir
 
@@ -33,6 +39,8 @@ def _teacher_logits(teacher, layout):
 
 def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageResult,
             fail_after: int | None = None) -> StageResult:
+    """Distil `teacher` into `student` (the model `student.handed_on` holds); see the module."""
+    student = student.handed_on
     run = Run(config, where)
     run.enable_compilation_cache()
     section = run.config.opd
@@ -45,6 +53,15 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
     identity = run.identity("student")
     model = run.restore_model(student.checkpoint_dir, run.model_config("student"), identity,
                               what="student SFT checkpoint", mesh=mesh)
+    keys = run.keys("opd", "train", "rollout", "eval")
+    n = len(eval_examples(run))
+    if not comparable(student.evaluation, n):  # e.g. a result from before per-problem rewards were kept
+        with mesh_scope(mesh):
+            start = evaluate(model, run, key=keys["eval"], title="student before OPD", mesh=mesh)
+        student = dataclasses.replace(student, evaluation=start)
+    guard = Guard(section.guard, student.evaluation,  # pyright: ignore[reportArgumentType]  (comparable: not None)
+                  teacher.evaluation if comparable(teacher.evaluation, n) else None)
+    guard.before()
     lora = run.lora("student", "opd")
     adapters = run.adapters_pin(model, lora, {"checkpoint": student.checkpoint_dir})
     if lora is not None:  # the SFT student is frozen; fresh adapters train
@@ -54,7 +71,6 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
                                       positions=section.positions, mask_id=mask_id))
     optimizer = run.optimizer_config(section.optim, section.steps)
     trainer = Trainer(loss_fn, make_optimizer(optimizer), TrainerConfig(microbatches=section.microbatches))
-    keys = run.keys("opd", "train", "rollout", "eval")
     state = trainer.init(model, key=keys["train"])
     prompts = run.prompts("opd", section.prompts_per_step)
 
@@ -69,5 +85,5 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
 
     pinned = {"identity": identity, "teacher": teacher.fingerprint, "training": run.training("opd"), **adapters}
     spec = StageSpec("opd", "student", "OPD", section.steps, pinned, optimizer.learning_rate_schedule(), OPD_CURVES,
-                     keys["eval"], mesh)
+                     keys["eval"], mesh, start=student, guard=guard)
     return drive(run, spec, state, step_fn, prompts, fail_after=fail_after)

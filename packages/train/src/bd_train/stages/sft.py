@@ -35,6 +35,7 @@ def run_sft(config: Any, where: RunDir, *, role: str, start: StageResult | None 
     cfg, stage = run.config, f"sft-{role}"
     if getattr(cfg, role).checkpoint and start is None:
         return adopt(run, role)
+    start = None if start is None else start.handed_on
     steps = cfg.sft.steps_for(role)
     keys = run.keys(stage, "init", "eval")
     model_config = run.model_config(role)
@@ -54,7 +55,7 @@ def run_sft(config: Any, where: RunDir, *, role: str, start: StageResult | None 
               **run.adapters_pin(state.model, run.lora(role, "sft"), {"pretrained": role}),
               **({} if start is None else {"start": fingerprint({"checkpoint": start.checkpoint_dir})})}
     spec = StageSpec(stage, role, "SFT", steps, pinned, optimizer.learning_rate_schedule(), SFT_CURVES, keys["eval"],
-                     mesh)
+                     mesh, start=start)
     return drive(run, spec, state, step_fn, data, fail_after=fail_after)
 
 
