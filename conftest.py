@@ -9,7 +9,10 @@ either; the pipeline and the benchmarks compile at XLA's default level. Processe
 same level through `child_xla_flags`.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -18,6 +21,18 @@ os.environ.setdefault("XLA_FLAGS", f"{DEVICES_FLAG}=8 --xla_backend_optimization
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Metaflow reads its user name when imported, and refuses root.
 os.environ.setdefault("METAFLOW_USER", "bdlm-test")
+# Every process the tests start (flow steps, stage chains, group workers) shares one persistent
+# compilation cache for the whole session, every program however fast it compiled (the stages
+# honour JAX's variables: `Run.enable_compilation_cache`), so a chain that another test, or an
+# earlier attempt, already compiled does not compile again. A size limit turns on the cache's
+# file lock: the two pytest workers and their children read and write it at once. The pytest
+# process that creates the folder (the xdist controller; its workers inherit the variables)
+# removes it at exit.
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="bdlm-test-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 import jax  # noqa: E402  (after the environment above)
 from hypothesis import settings  # noqa: E402
@@ -29,8 +44,8 @@ settings.register_profile("explore", max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # The stages turn on JAX's persistent compilation cache (`Run.enable_compilation_cache`): it pays in
-# Metaflow steps, each a new process, and saves little in this one long-lived process, where it stays
-# off. (Late in full runs, compiling the 8-device OPD step in this process crashed: once in the
+# Metaflow steps and the other processes tests start, and saves little in this one long-lived
+# process, where it stays off. (Late in full runs, compiling the 8-device OPD step in this process crashed: once in the
 # cache's executable write, and with the cache off in the compile itself. That chain now runs in
 # processes of its own, `tests/stages_worker.py`.) Tests that start processes keep the cache.
 jax.config.update("jax_enable_compilation_cache", False)

@@ -16,8 +16,10 @@ class FlowRuns:
 
     def env(self, **extra) -> dict:
         # The datastore is found from the working directory (`<cwd>/.metaflow`), a temp dir here.
+        # EQX_ON_ERROR: as `test_sigkill._env`, so that the samplers' programs reach the session's
+        # compilation cache (JAX never caches a program with a host callback).
         return {"METAFLOW_USER": "tester", "WANDB_MODE": "offline", "BDLM_PROGRESS": "0", "JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": self.xla_flags, **extra}
+                "XLA_FLAGS": self.xla_flags, "EQX_ON_ERROR": "nan", **extra}
 
     def crash_and_resume(self, preset: Path, cwd: Path, *, fault: str = "grpo:2"):
         """Run `preset` with the stage failing after the step `fault` names ("<stage>:<step>"),

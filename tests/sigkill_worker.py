@@ -12,8 +12,8 @@ device and the mesh's data axis over the group (its files then end in `-<id>`: `
 `restores-<id>.jsonl`).
 
 The config is written relative to the case dir, so every case saves the same config in its
-checkpoints' metadata. `JAX_COMPILATION_CACHE_DIR`, if set, is the JAX cache of every case (in
-place of each one's `runs/jax_cache`), so that reruns compile little.
+checkpoints' metadata. `JAX_COMPILATION_CACHE_DIR`, which the tests set, is the JAX cache of every
+case (in place of each one's `runs/jax_cache`), so that reruns compile little.
 """
 
 from __future__ import annotations
@@ -61,25 +61,6 @@ def checkpoint_dir(case: Path, stage: str) -> Path:
     return case / "runs" / "pipeline" / RUN_ID / "checkpoints" / stage
 
 
-def _share_compilation_cache() -> None:
-    """Point every stage's JAX persistent cache at the shared folder, and cache every program
-    however fast it compiled (the stages cache those over 0.5 s only, in `runs/jax_cache`). The
-    folder's path is part of JAX's cache keys, so a link from each case's `runs/jax_cache` to one
-    folder would share nothing."""
-    shared = os.environ.get("JAX_COMPILATION_CACHE_DIR")
-    if not shared:
-        return
-    import jax
-
-    from bd_train.stages import Run
-
-    def enable_shared(self: Run) -> None:
-        jax.config.update("jax_compilation_cache_dir", shared)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-
-    Run.enable_compilation_cache = enable_shared  # type: ignore[method-assign]
-
-
 def _note_restores(case: Path, suffix: str = "") -> None:
     """Append `{"stage", "step"}` to `restores<suffix>.jsonl` after every `Checkpointer.restore`
     (the driver's resume; start models are read with `restore_model`, which is not noted)."""
@@ -106,7 +87,6 @@ def command(case: Path, processes: int = 1, suffix: str = "") -> None:
 
     case.mkdir(parents=True, exist_ok=True)
     os.chdir(case)
-    _share_compilation_cache()
     _note_restores(case, suffix)
     text = toml(preset(processes))
     assert parse_pipeline_config(text) == config(processes), "the preset's TOML does not read back as the preset"
@@ -127,7 +107,6 @@ def main(case: Path) -> None:
 
     case.mkdir(parents=True, exist_ok=True)
     os.chdir(case)
-    _share_compilation_cache()
     _note_restores(case)
     cfg = config()
     where = RunDir.create(cfg, run_id=RUN_ID)

@@ -161,13 +161,8 @@ def _attempt(case: Path, env: dict[str, str], fault: Fault | None = None) -> Att
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("jax_cache_group")
-
-
-@pytest.fixture(scope="module")
-def group_env(cache, child_xla_flags) -> dict[str, str]:
-    return {**_env(cache, child_xla_flags), "BDLM_LOST_AFTER_S": str(LOST_AFTER)}
+def group_env(child_xla_flags) -> dict[str, str]:
+    return {**_env(child_xla_flags), "BDLM_LOST_AFTER_S": str(LOST_AFTER)}
 
 
 @pytest.fixture(scope="module")

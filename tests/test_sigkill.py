@@ -113,10 +113,10 @@ class Attempt:
     after_kill: dict[str, list[str]] | None = None  # and once the process was gone
 
 
-def _env(cache: Path, xla_flags: str) -> dict[str, str]:
+def _env(xla_flags: str) -> dict[str, str]:
+    """The worker's environment; the session's compilation cache (root conftest.py) comes with it."""
     return {**os.environ, "WANDB_MODE": "disabled", "BDLM_PROGRESS": "0", "JAX_PLATFORMS": "cpu",
             "XLA_FLAGS": xla_flags,
-            "JAX_COMPILATION_CACHE_DIR": str(cache),
             # `eqx.error_if` (in the sampler's cached forward) is a host callback under the default
             # "raise", and JAX never writes programs with host callbacks to its persistent cache: every
             # attempt would compile the samplers anew (about half of a warm attempt's time). "nan" keeps
@@ -166,15 +166,10 @@ def _log_tail(case: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("jax_cache")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache, child_xla_flags) -> Path:
+def reference(tmp_path_factory, child_xla_flags) -> Path:
     """The chain run once without a kill (it also fills the compilation cache)."""
     case = tmp_path_factory.mktemp("sigkill") / "reference"
-    attempt = _attempt(case, _env(cache, child_xla_flags))
+    attempt = _attempt(case, _env(child_xla_flags))
     assert attempt.returncode == 0, _log_tail(case)
     assert attempt.restored == {}, attempt.restored
     print(f"\nreference: {attempt.seconds:.0f} s")
@@ -182,13 +177,13 @@ def reference(tmp_path_factory, cache, child_xla_flags) -> Path:
 
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory, cache, reference, child_xla_flags) -> tuple[Path, list[Attempt]]:
+def killed(tmp_path_factory, reference, child_xla_flags) -> tuple[Path, list[Attempt]]:
     """The chain killed at every kill point in turn, then run to the end: one attempt per kill
     point (in `KILLS` order), and the last. These attempts run the chain as a user does, through
     `python -m bd_train.stages run <preset>` (the reference calls the stage functions itself), so
     the command, rerun after each kill, must end bit-identical to the uninterrupted chain."""
     case = tmp_path_factory.mktemp("sigkill") / "killed"
-    env = _env(cache, child_xla_flags)
+    env = _env(child_xla_flags)
     attempts = [_attempt(case, env, kill, command=True) for kill in KILLS]
     attempts.append(_attempt(case, env, command=True))
     for attempt in attempts:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import zlib
 from pathlib import Path
 from typing import Any, cast
@@ -119,11 +120,16 @@ class Run:
         return self._where
 
     def enable_compilation_cache(self) -> None:
-        """A persistent JAX cache: Metaflow steps are separate processes compiling the same programs."""
-        cache = self.where.outputs / "jax_cache"
-        cache.mkdir(parents=True, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", str(cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        """A persistent JAX cache: Metaflow steps are separate processes compiling the same programs.
+        It is `<output_dir>/jax_cache`, keeping programs that took 0.5 s or more to compile, unless
+        the environment says otherwise in JAX's own variables (`JAX_COMPILATION_CACHE_DIR`, e.g. a
+        cache every job of a cluster shares; `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`)."""
+        if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+            cache = self.where.outputs / "jax_cache"
+            cache.mkdir(parents=True, exist_ok=True)
+            jax.config.update("jax_compilation_cache_dir", str(cache))
+        if not os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
     # -- random streams ------------------------------------------------------------------------------
 
