@@ -38,6 +38,9 @@ from ._plan_programs import COSTS, ProgramPlan, compile_program, stage_programs
 from ._plan_shapes import shapes_run
 from ._tpu import GiB, Topology, TopologyError, topology
 
+__all__ = ["Plan", "ProgramPlan", "StagePlan", "compile_program", "format_plan", "largest_batch", "main", "plan",
+           "stage_programs"]
+
 STAGES = ("sft", "opd", "grpo")
 
 

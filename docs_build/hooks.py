@@ -130,37 +130,10 @@ def mask_png() -> bytes:
     return out.getvalue()
 
 
-PACKAGES = {"bd_core": "bd_core", "bd_data": "bd_data", "bd_models": "bd_models", "bd_train": "bd_train",
-            "stages": "bd_train.stages"}
-
-
-def public_names(module_name: str) -> list[str]:
-    """The names a package exports from its `__init__` (everything not private, no submodules)."""
-    import importlib
-    import types
-
-    module = importlib.import_module(module_name)
-    return sorted(n for n, v in vars(module).items()
-                  if not n.startswith("_") and not isinstance(v, types.ModuleType) and n != "annotations")
-
-
-def reference_page(module_name: str) -> str:
-    import importlib
-
-    doc = (importlib.import_module(module_name).__doc__ or "").strip()
-    lines = [f"# `{module_name}`", "", doc, "",
-             "Every public name of the package, from its docstrings (generated when the site is built).", ""]
-    for name in public_names(module_name):
-        lines += [f"::: {module_name}.{name}", ""]
-    return "\n".join(lines)
-
-
 def on_files(files, config):
     def add(uri: str, content: str | bytes) -> None:
         files.append(File.generated(config, uri, content=content))
 
-    for page, module_name in PACKAGES.items():
-        add(f"reference/{page}.md", reference_page(module_name))
     add("reference/presets.md", presets_page())
     add("benchmarks.md", _relink((ROOT / "BENCHMARKS.md").read_text()))
     add("scaling-details.md", _relink((ROOT / "SCALING.md").read_text()))
