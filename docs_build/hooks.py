@@ -1,95 +1,77 @@
-"""MkDocs hooks: pages made at build time from the code and the repository, so they cannot drift.
+"""MkDocs hooks: what the site makes at build time from the code and the repository.
 
-- `reference/presets.md`: every preset key, its type and default, from the config classes of
-  `bd_train.stages.PipelineConfig`.
+- Markers in committed pages are filled in (`<!-- generated: NAME -->`, see `GENERATORS`): the
+  preset tables from the config classes, and the summary `make run` prints from a committed summary.
 - `benchmarks.md`, `scaling-details.md`: BENCHMARKS.md and SCALING.md as they are, their figures
-  copied beside them.
+  copied beside them as `assets/*.png`.
+- Links in the pages point at repository files, so that they work on a code host too; here
+  those to README, BENCHMARKS.md, SCALING.md and `bench/results/*.png` become their pages and
+  assets, and links to other repository files become their names in code.
 - `assets/attention-mask.png`: the attention rule of an SFT layout, drawn from `bd_core`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
+import posixpath
 import re
-import typing
+import sys
 from pathlib import Path
 
 from mkdocs.structure.files import File
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import generated  # noqa: E402  (this folder, put on the path above: mkdocs loads hooks by file)
+
 ROOT = Path(__file__).resolve().parents[1]
-RENAMES = {"BENCHMARKS.md": "benchmarks.md", "SCALING.md": "scaling-details.md", "README.md": "index.md"}
+PAGES = {"BENCHMARKS.md": "benchmarks.md", "SCALING.md": "scaling-details.md", "README.md": "index.md"}
+GENERATORS = {"presets": generated.preset_tables, "make-run": generated.make_run_printout}
+_LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 
 
-def _type_name(tp) -> str:
-    text = str(tp).replace("typing.", "")
-    if isinstance(tp, type):
-        text = tp.__name__
-    return re.sub(r"<class '([^']+)'>", r"\1", text).replace("NoneType", "None")
+def site_target(repo_path: str) -> str | None:
+    """The site path (from the docs root) of a repository file, or None when the site has no page for it."""
+    if repo_path.startswith("docs/"):
+        return repo_path.removeprefix("docs/")
+    if repo_path in PAGES:
+        return PAGES[repo_path]
+    if repo_path.startswith("bench/results/") and repo_path.endswith(".png"):
+        return f"assets/{Path(repo_path).name}"
+    return None
 
 
-def _default(field: dataclasses.Field) -> str:
-    if field.default is not dataclasses.MISSING:
-        value = field.default
-    elif field.default_factory is not dataclasses.MISSING:
-        value = field.default_factory()
-    else:
-        return "required"
-    if dataclasses.is_dataclass(value):
-        return "(table below)"
-    return f"`{value!r}`"
+def relink(text: str, page_path: str) -> str:
+    """Rewrite the links of a page at repository path `page_path` for the site (see the module docstring)."""
+    folder = posixpath.dirname(page_path)
+    site_folder = posixpath.dirname(site_target(page_path) or page_path) or "."
 
-
-def presets_page() -> str:
-    from bd_train.stages import PipelineConfig
-
-    lines = ["# Preset keys", "",
-             "Every table of a preset TOML and its keys, generated from the frozen config classes of "
-             "`bd_train.stages.PipelineConfig` when this site is built. Unknown keys, wrong types and broken "
-             "invariants are refused on load, naming the key.", ""]
-
-    def table(name: str, cls, prefix: str) -> list[str]:
-        hints = typing.get_type_hints(cls)
-        out = [f"## `[{prefix}]` — `{cls.__name__}`", ""]
-        doc = (cls.__doc__ or "").strip()
-        if doc and not doc.startswith(cls.__name__ + "("):
-            out += [" ".join(doc.split()), ""]
-        out += ["| key | type | default |", "|---|---|---|"]
-        nested = []
-        for field in dataclasses.fields(cls):
-            tp = hints[field.name]
-            out.append(f"| `{field.name}` | `{_type_name(tp)}` | {_default(field)} |")
-            inner = next((a for a in (typing.get_args(tp) or (tp,)) if dataclasses.is_dataclass(a)), None)
-            if inner is not None:
-                nested.append((field.name, inner))
-        out.append("")
-        for field_name, inner in nested:
-            out += table(field_name, inner, f"{prefix}.{field_name}")
-        return out
-
-    hints = typing.get_type_hints(PipelineConfig)
-    for field in dataclasses.fields(PipelineConfig):
-        lines += table(field.name, hints[field.name], field.name)
-    return "\n".join(lines) + "\n"
-
-
-def _relink(text: str) -> str:
-    """Links between the repository's markdown files point at their pages here; links to other
-    repository files become plain code names."""
-    def link(match):
-        label, target = match.group(1), match.group(2)
-        if target.startswith(("http://", "https://", "#")):
+    def link(match: re.Match) -> str:
+        bang, label, target = match.groups()
+        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
             return match.group(0)
         path, _, anchor = target.partition("#")
-        if path in RENAMES:
-            return f"[{label}]({RENAMES[path]}{'#' + anchor if anchor else ''})"
-        if path.startswith("bench/results/") and path.endswith(".png"):
-            return f"[{label}](assets/{Path(path).name})"
-        return label if label.startswith("`") else f"`{label}`"
+        repo_path = posixpath.normpath(posixpath.join(folder, path))
+        if repo_path.startswith("docs/"):
+            return match.group(0)
+        to = site_target(repo_path)
+        if to is None:
+            return label if label.startswith("`") or bang else f"`{label}`"
+        url = posixpath.relpath(to, site_folder) + (f"#{anchor}" if anchor else "")
+        return f"{bang}[{label}]({url})"
 
-    return re.sub(r"(?<!!)\[([^\]]+)\]\(([^)\s]+)\)", link, re.sub(
-        r"!\[([^\]]*)\]\((bench/results/[^)\s]+\.png)\)", lambda m: f"![{m.group(1)}](assets/{Path(m.group(2)).name})",
-        text))
+    out, fence = [], False
+    for line in text.splitlines(keepends=True):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        out.append(line if fence else _LINK.sub(link, line))
+    return "".join(out)
+
+
+def fill_markers(text: str) -> str:
+    def fill(match: re.Match) -> str:
+        return GENERATORS[match.group(1)]()
+
+    return re.sub(r"<!-- generated: ([\w-]+) -->", fill, text)
 
 
 def mask_png() -> bytes:
@@ -134,10 +116,19 @@ def on_files(files, config):
     def add(uri: str, content: str | bytes) -> None:
         files.append(File.generated(config, uri, content=content))
 
-    add("reference/presets.md", presets_page())
-    add("benchmarks.md", _relink((ROOT / "BENCHMARKS.md").read_text()))
-    add("scaling-details.md", _relink((ROOT / "SCALING.md").read_text()))
+    add("benchmarks.md", relink((ROOT / "BENCHMARKS.md").read_text(), "BENCHMARKS.md"))
+    add("scaling-details.md", relink((ROOT / "SCALING.md").read_text(), "SCALING.md"))
     for png in sorted((ROOT / "bench" / "results").glob("*.png")):
         add(f"assets/{png.name}", png.read_bytes())
+    # A copy is committed for readers of the repository's files; the site draws it afresh.
+    committed = files.get_file_from_path("assets/attention-mask.png")
+    if committed is not None:
+        files.remove(committed)
     add("assets/attention-mask.png", mask_png())
     return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    if page.file.generated_by:
+        return fill_markers(markdown)
+    return fill_markers(relink(markdown, f"docs/{page.file.src_uri}"))

@@ -20,6 +20,7 @@ from ._config import ConfigError
 # What a model and its tokenizer are read from; nothing else is downloaded.
 HUB_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
              "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+"""The file patterns `resolve_pretrained` fetches from a Hub repo: config, weights, tokenizer and chat template."""
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 

@@ -51,6 +51,7 @@ class WeightedMetric:
         return dataclasses.replace(self, numerator=jnp.sum(self.numerator), denominator=jnp.sum(self.denominator))
 
     def effective_denominator(self) -> Array:
+        """The denominator as `compute` divides by it: plus `eps`, at least `min_denom` when set."""
         den = jnp.asarray(self.denominator)
         if self.eps is not None:
             den = den + self.eps
@@ -59,6 +60,7 @@ class WeightedMetric:
         return den
 
     def compute(self) -> Array:
+        """The metric's value, numerator over effective denominator (0 where the denominator is 0)."""
         den = self.effective_denominator()
         safe = jnp.where(den == 0, jnp.ones_like(den), den)
         return jnp.where(den == 0, jnp.zeros_like(self.numerator / safe), self.numerator / safe)

@@ -21,6 +21,7 @@ from ._validate import ContractError, check_bool, check_float, check_int, check_
 Array = jax.Array
 
 TRACE_VERSION = 1
+"""The version of `DiffusionTrace`'s layout; a replay refuses a trace of another version."""
 
 
 @jax.tree_util.register_dataclass
@@ -49,6 +50,7 @@ class DiffusionTrace:
         return int(np.shape(self.committed)[2])
 
     def validate(self) -> DiffusionTrace:
+        """Check the trace's shapes, dtypes and version; returns self or raises `ContractError` naming the field."""
         owner = "DiffusionTrace"
         b, r = check_rank(owner, "block_ids", self.block_ids, 2, "B, R")
         check_int(owner, "block_ids", self.block_ids)
@@ -97,6 +99,8 @@ class RolloutOutput:
         return int(np.shape(self.prompt_tokens)[0])
 
     def validate(self) -> RolloutOutput:
+        """Check the rollout's shapes and dtypes (and its trace's); returns self or raises `ContractError` naming the
+        field."""
         owner = "RolloutOutput"
         b, _ = check_rank(owner, "prompt_tokens", self.prompt_tokens, 2, "B, P")
         check_int(owner, "prompt_tokens", self.prompt_tokens)

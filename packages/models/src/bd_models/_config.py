@@ -20,6 +20,7 @@ from bd_core import ConfigError, config_error
 ATTENTION_IMPLS = ("dense", "blocked", "shard_map", "pallas", "splash")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("elementwise", "none", "full", "save_matmuls")
+"""The values of `ModelConfig.remat`: what the backward pass recomputes per layer."""
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
@@ -147,13 +148,16 @@ class ModelConfig:
         return jnp.dtype(self.compute_dtype)
 
     def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as a plain dict, as checkpoints and fingerprints store it."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
+        """The config `to_dict` wrote; unknown or missing fields raise `ConfigError` naming them."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

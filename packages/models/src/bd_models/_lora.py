@@ -38,6 +38,7 @@ from ._sharding import _place, leaf_name, param_partition_specs
 Array = jax.Array
 
 TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+"""The projections LoRA may adapt: attention (`wq`, `wk`, `wv`, `wo`) and MLP (`w_gate`, `w_up`, `w_down`)."""
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
 
@@ -69,6 +70,7 @@ class LoRAConfig:
         return self.alpha / self.rank
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as a plain dict, as checkpoints store it."""
         return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets), "dropout": self.dropout}
 
     @classmethod
@@ -112,6 +114,7 @@ def _is_lora(x: Any) -> bool:
 
 
 def has_adapters(model: Any) -> bool:
+    """Whether any weight of `model` is a `LoRAWeight`."""
     return any(_is_lora(x) for x in jax.tree_util.tree_leaves(model, is_leaf=_is_lora))
 
 

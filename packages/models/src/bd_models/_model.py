@@ -99,6 +99,7 @@ class BlockDiffusionLM(eqx.Module):
         return model
 
     def embed(self, tokens: Int[ArrayLike, "B T"]) -> Float[Array, "B T D"]:
+        """The input embeddings of `tokens`, in the compute dtype."""
         return rows(jnp.take(self.embedding, tokens, axis=0).astype(self.config.compute_jnp_dtype))
 
     def __call__(self, layout: ViewLayout) -> Float[Array, "B T V"]:

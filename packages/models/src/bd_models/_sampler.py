@@ -35,6 +35,7 @@ def _layout(tokens, positions, block_ids, view_id: int, valid) -> ViewLayout:
 
 
 def concat_layouts(*layouts: ViewLayout) -> ViewLayout:
+    """The views of several `ViewLayout`s packed side by side along the token axis."""
     return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs, axis=1), *layouts)
 
 
@@ -56,12 +57,16 @@ class RecomputeModel(eqx.Module):
         return self.model.config
 
     def init_cache(self, batch_size: int, max_len: int) -> _Canvas:
+        """An empty canvas for up to `max_len` positions (the recompute model's stand-in for a KV cache)."""
         return _Canvas(jnp.zeros((batch_size, max_len), jnp.int32), jnp.zeros((batch_size, max_len), bool))
 
     def layer_list(self) -> None:
+        """None: the recompute model has no layers to split."""
         return None
 
     def forward_cached(self, chunk: ViewLayout, cache: _Canvas, *, commit=None, layers=None):
+        """Logits of `chunk`, recomputed over the whole clean canvas with no cache; then the `commit`-flagged tokens
+        join the canvas."""
         batch, length = cache.tokens.shape
         positions = jnp.arange(length, dtype=jnp.int32)
         clean = _layout(cache.tokens, positions, positions // self.config.block_size, CLEAN_VIEW, cache.valid)

@@ -162,6 +162,7 @@ def gumbel_max(key: PRNGKeyArray, logp: Float[Array, "*batch V"]) -> Int[Array, 
 
 
 def token_logprob(logp: Float[Array, "*batch V"], tokens: Int[Array, "*batch"]) -> Float[Array, "*batch"]:
+    """The log-probability of each token under the log-probabilities `logp` over the vocabulary."""
     return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 

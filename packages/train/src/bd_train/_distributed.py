@@ -34,11 +34,17 @@ import jax
 from ._coordinator import ServiceHost
 
 COORDINATOR_ENV = "BDLM_COORDINATOR_ADDRESS"
+"""The environment variable with the coordinator's `host:port` (process 0 listens there)."""
 NUM_PROCESSES_ENV = "BDLM_NUM_PROCESSES"
+"""The environment variable with the number of processes in the group."""
 PROCESS_ID_ENV = "BDLM_PROCESS_ID"
+"""The environment variable with this process's index in the group (0 is the coordinator)."""
 LOST_AFTER_ENV = "BDLM_LOST_AFTER_S"
+"""The environment variable with the seconds after which a silent process counts as lost (default 60)."""
 LOST_AFTER_S = 60.0
 EXIT_LOST = 75  # EX_TEMPFAIL: the run can be resumed
+"""The exit code of a process that stops because another was lost or the loop stalled (75, EX_TEMPFAIL): rerun or resume
+to continue."""
 
 
 class DistributedError(RuntimeError):
@@ -55,6 +61,7 @@ class ProcessGroup:
 
     @classmethod
     def single(cls) -> ProcessGroup:
+        """The group of one process (no coordinator)."""
         return cls(None, 1, 0)
 
     @classmethod

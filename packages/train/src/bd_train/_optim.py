@@ -73,6 +73,8 @@ class OptimizerConfig:
                 fail("mu_dtype", "a dtype name", "use e.g. 'bfloat16', 'float32' or None")
 
     def learning_rate_schedule(self) -> optax.Schedule:
+        """The learning rate per step: linear warmup, then constant, cosine or linear decay to `end_lr_ratio` of the
+        peak."""
         peak = self.learning_rate
         if self.schedule == "constant":
             after: Any = optax.constant_schedule(peak)

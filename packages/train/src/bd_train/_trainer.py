@@ -125,10 +125,13 @@ class Trainer:
     # -- train -------------------------------------------------------------------------------------
 
     def step(self, state: TrainState, batch: Any, *, is_update_step: bool = True) -> tuple[TrainState, dict]:
+        """One update (or, with `is_update_step=False`, gradients accumulated without updating) on `batch`, split into
+        `config.microbatches` parts; returns the new state and the whole batch's metrics."""
         return self._run(state, batch, is_update_step, presplit=False)
 
     def step_microbatches(self, state: TrainState, microbatches: Any, *,
                           is_update_step: bool = True) -> tuple[TrainState, dict]:
+        """`step` on a batch already split into microbatches (a sequence of them)."""
         return self._run(state, microbatches, is_update_step, presplit=True)
 
     def lower(self, state: TrainState, batch: Any, *, is_update_step: bool = True) -> jax.stages.Lowered:
@@ -237,4 +240,5 @@ class Trainer:
         return reduce_metrics(buffer)
 
     def eval_step(self, model: Any, batch: Any, *, key: jax.Array) -> dict[str, jax.Array]:
+        """The objective's metrics on one batch, without gradients."""
         return self.evaluate(model, [batch], key=key)

@@ -36,6 +36,7 @@ from .stages._run import Run, StageError
 __all__ = ["THRESHOLDS", "evaluate", "format_report", "load", "main", "pass_at_k"]
 
 THRESHOLDS = (0.5, 0.7, 0.9, 0.95)
+"""The confidence thresholds of the accuracy-against-NFE curve (then one token per step)."""
 
 
 def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = None,
@@ -93,6 +94,7 @@ def evaluate(checkpoint: str | Path, *, task: str | None = None, samples: int = 
 
 
 def format_report(report: dict[str, Any]) -> str:
+    """The report of `evaluate` as the text the command prints."""
     greedy = report["greedy"]
     lines = [f"{report['checkpoint']}: {report['task']}, {report['n']} held-out problems",
              f"greedy: accuracy {greedy['accuracy']:.3f}, mean reward {greedy['mean_reward']:.3f}, "
@@ -106,6 +108,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: `python -m bd_train.evaluate --checkpoint ...`; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m bd_train.evaluate", description=__doc__.splitlines()[0]
                                      if __doc__ else None)
     parser.add_argument("--checkpoint", required=True,

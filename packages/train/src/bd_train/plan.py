@@ -46,6 +46,14 @@ STAGES = ("sft", "opd", "grpo")
 
 @dataclasses.dataclass
 class StagePlan:
+    """The plan of one stage: its programs and whether they fit the chip.
+
+    Attributes:
+        stage: the stage's name (`sft-teacher`, `sft-student`, `opd`, `grpo`).
+        programs: one plan per compiled program.
+        hbm: the chip's HBM bytes.
+        remedy: for a stage that does not fit, the first single change that fits.
+        planned_with: for a batch the mesh cannot split, the change it was planned with."""
     stage: str
     programs: list[ProgramPlan]
     hbm: int
@@ -63,6 +71,17 @@ class StagePlan:
 
 @dataclasses.dataclass
 class Plan:
+    """A preset's plan on a TPU topology; `format_plan` prints it, `to_json` writes it.
+
+    Attributes:
+        preset: the preset's name.
+        topology: the topology, e.g. `v5e:2x4`.
+        mesh: the mesh's axis sizes.
+        chips: chips in the slice(s).
+        hosts: hosts in the slice(s).
+        hbm: HBM bytes per chip.
+        peak_flops: the chip's bfloat16 peak, FLOP/s.
+        stages: one plan per stage."""
     preset: str
     topology: str
     mesh: dict[str, int]
@@ -73,6 +92,7 @@ class Plan:
     stages: list[StagePlan]
 
     def to_json(self) -> dict[str, Any]:
+        """The plan as JSON-ready values (`--json` writes them)."""
         return {"preset": self.preset, "topology": self.topology, "mesh": self.mesh, "chips": self.chips,
                 "hosts": self.hosts, "hbm": self.hbm, "peak_flops": self.peak_flops,
                 "stages": [{"stage": s.stage, "fits": s.fits, "peak": s.peak, "remedy": s.remedy,
@@ -311,6 +331,8 @@ def largest_batch(data: dict, stage: str, topology_name: str, *, mesh: dict[str,
 
 
 def format_plan(result: Plan) -> str:
+    """The plan as a markdown table per chip (memory by kind, % of HBM, TFLOP, estimated seconds and MFU) with each
+    stage's verdict."""
     def gib(n: float) -> str:
         return f"{n / GiB:.2f}"
 
@@ -362,6 +384,7 @@ def _mesh_arg(text: str) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: `python -m bd_train.plan PRESET --topology ...`; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m bd_train.plan", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("preset", help="a preset TOML (flows/configs/<name>.toml)")
     parser.add_argument("--topology", required=True, help="e.g. v5e:2x4, v5p:2x2x2, v6e:4x4")

@@ -35,6 +35,13 @@ ONE_PER_STEP = "one per step"
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
+    """One held-out problem as a card shows it.
+
+    Attributes:
+        prompt: the prompt text.
+        answer: the reference answer.
+        completion: what the model generated (up to its first stop token).
+        reward: the task's reward of the completion."""
     prompt: str
     answer: str
     completion: str
