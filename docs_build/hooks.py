@@ -51,8 +51,6 @@ def relink(text: str, page_path: str) -> str:
             return match.group(0)
         path, _, anchor = target.partition("#")
         repo_path = posixpath.normpath(posixpath.join(folder, path))
-        if repo_path.startswith("docs/"):
-            return match.group(0)
         to = site_target(repo_path)
         if to is None:
             return label if label.startswith("`") or bang else f"`{label}`"

@@ -97,3 +97,13 @@ def test_readme_stays_short_and_starts_with_the_two_commands():
     assert len(lines) <= 150, f"README.md has {len(lines)} lines"
     block = "\n".join(lines[:8])
     assert "make run" in block and "make test" in block
+
+
+def test_readme_shows_what_make_run_prints():
+    """README's printout is the one the site generates from the committed summary, to the character."""
+    sys.path.insert(0, str(ROOT / "docs_build"))
+    try:
+        import generated
+    finally:
+        sys.path.remove(str(ROOT / "docs_build"))
+    assert generated.make_run_printout() in (ROOT / "README.md").read_text()
