@@ -1,13 +1,17 @@
 """What the documentation promises without building it: every exported name and its public methods
-have a docstring (the reference shows it), every preset key has a description (the preset page
-shows it), and every link of README and the `docs/` pages resolves to a file of the repository,
-so that they also work where the repository is read as files (a code host)."""
+have a docstring (the reference shows it) and their ```python examples run as written, every
+preset key has a description (the preset page shows it), and every link of README and the `docs/`
+pages resolves to a file of the repository, so that they also work where the repository is read as
+files (a code host)."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
+import subprocess
 import sys
+import textwrap
 import types
 from pathlib import Path
 
@@ -107,3 +111,34 @@ def test_readme_shows_what_make_run_prints():
     finally:
         sys.path.remove(str(ROOT / "docs_build"))
     assert generated.make_run_printout() in (ROOT / "README.md").read_text()
+
+
+def _examples() -> dict[str, str]:
+    """Every ```python block of the docstrings of exported names and their methods, by name."""
+    found: dict[str, str] = {}
+    for module_name in MODULES:
+        module = importlib.import_module(module_name)
+        for name in exported(module_name):
+            obj = getattr(module, name)
+            members = [(name, obj)]
+            if inspect.isclass(obj):
+                members += [(f"{name}.{m}", v) for m, v in vars(obj).items() if not m.startswith("_")]
+            for label, member in members:
+                doc = inspect.getdoc(member) if callable(member) or inspect.isclass(member) else None
+                where = f"{getattr(member, '__module__', module_name)}.{getattr(member, '__qualname__', label)}"
+                for i, block in enumerate(re.findall(r"```python\n(.*?)```", doc or "", re.S)):
+                    found.setdefault(f"{where}#{i}", textwrap.dedent(block))
+    return found
+
+
+def test_docstring_examples_run(tmp_path):
+    examples = _examples()
+    assert len(examples) >= 6, sorted(examples)
+    script = ["import traceback", "failed = []"]
+    for label, code in sorted(examples.items()):
+        script += [f"try:\n    exec({code!r}, {{'__name__': '__example__'}})",
+                   f"except Exception:\n    failed.append({label!r}); traceback.print_exc()"]
+    script += [f"print('examples run:', {len(examples)})", "raise SystemExit(1 if failed else 0)"]
+    (tmp_path / "examples.py").write_text("\n".join(script))
+    done = subprocess.run([sys.executable, "examples.py"], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]

@@ -105,8 +105,10 @@ def fingerprint(fields: Mapping[str, Any], *, version: int = FINGERPRINT_VERSION
 
     Example:
         ```python
+        from bd_core import fingerprint
+
         fp = fingerprint({"block_size": 4, "mask_id": 257})
-        fp.digest[:12], fp.diff(fingerprint({"block_size": 8, "mask_id": 257}))  # {'block_size': (4, 8)}
+        assert fp.diff(fingerprint({"block_size": 8, "mask_id": 257})) == {"block_size": (4, 8)}
         ```"""
     canon = canonical(dict(fields))
     payload = json.dumps({"fields": canon, "version": version}, sort_keys=True, separators=(",", ":"))

@@ -134,6 +134,23 @@ def reduce_metrics(buffer: Sequence[Mapping[str, Metric]] | Mapping[str, Metric]
     `buffer` is a sequence of dicts (one per microbatch or step) or one dict whose values carry
     leading (e.g. scanned microbatch) axes. Weighted metrics become Σnumerator / Σdenominator over
     everything; plain arrays become the mean of their per-entry means.
+
+    Args:
+        buffer: one dict of metrics per microbatch or step, or one dict with leading axes.
+
+    Returns:
+        Each metric's value over the whole buffer.
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+        from bd_core import WeightedMetric, reduce_metrics
+
+        short = WeightedMetric(jnp.array(3.0), jnp.array(2.0))  # loss 3 summed over 2 tokens
+        long = WeightedMetric(jnp.array(1.0), jnp.array(6.0))  # loss 1 summed over 6 tokens
+        loss = reduce_metrics([{"loss": short}, {"loss": long}])["loss"]
+        assert abs(float(loss) - 0.5) < 1e-6  # 4 / 8 tokens, not the mean of 1.5 and 0.17
+        ```
     """
     entries = [buffer] if isinstance(buffer, Mapping) else list(buffer)
     kinds: dict[str, str] = {}

@@ -122,7 +122,21 @@ def add_lora(model: Any, config: LoRAConfig, *, key: Array) -> Any:
     """`model` with each target projection of its layers wrapped in a `LoRAWeight`: `A` drawn
     uniform in ±1/sqrt(in) (PEFT's default), `B` zero. On a mesh (the base's arrays sharded),
     the adapters are placed by `param_partition_specs`. A model that already has adapters is
-    refused: merge them first."""
+    refused: merge them first.
+
+    Example:
+        ```python
+        import jax
+        from bd_models import BlockDiffusionLM, LoRAConfig, ModelConfig, add_lora, count_params, merge
+
+        config = ModelConfig(vocab_size=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=256,
+                             block_size=4)
+        model = add_lora(BlockDiffusionLM(config, key=jax.random.key(0)), LoRAConfig(rank=4), key=jax.random.key(1))
+        counts = count_params(model)
+        assert counts["trained"] < counts["total"]  # only the adapters train
+        plain = merge(model)  # a BlockDiffusionLM without adapters, the same logits
+        ```
+    """
     if has_adapters(model):
         raise ValueError("add_lora: the model already has adapters; merge(model) them first, or use base_model(model)")
     layers = model.layers

@@ -222,6 +222,35 @@ def sample(
     `use_cache=False` reruns the whole canvas every step (the reference and speed baseline).
     The trace's `block_ids` are canvas blocks (`position // block_size`); `nfe[r]` counts the
     forward passes in which row r took part (prefill included).
+
+    Args:
+        model: a `BlockDiffusionLM` (or anything with its `forward_cached`).
+        prompts: `(tokens [B, P], valid [B, P])`, left-padded (`bd_data.prompt_dataset` makes them).
+        config: lengths, ids, the sampling distribution and the commit strategy.
+        key: the sampling key.
+        use_cache: False recomputes the whole canvas every step.
+
+    Returns:
+        The completions, their trace (what committed at every step, with its log-probabilities) and
+        the NFE per row.
+
+    Example:
+        ```python
+        import jax
+        from bd_data import ByteTokenizer, CanvasConfig, get_task, iterate, prompt_dataset
+        from bd_models import (BlockDiffusionLM, ModelConfig, SamplerConfig, SamplingDistribution,
+                               decode_completions, sample)
+
+        task, tok = get_task("argsort", length=6), ByteTokenizer()
+        canvas = CanvasConfig(prompt_len=8, max_new_tokens=8, block_size=4)
+        model = BlockDiffusionLM(ModelConfig(vocab_size=tok.vocab_size, d_model=64, n_layers=2, n_heads=4,
+                                             n_kv_heads=4, d_ff=256, block_size=4), key=jax.random.key(0))
+        greedy = SamplerConfig(block_size=4, max_new_tokens=8, mask_id=tok.mask_id, pad_id=tok.pad_id,
+                               distribution=SamplingDistribution(temperature=0.0), stop_ids=(tok.eos_id,))
+        prompts = next(iterate(prompt_dataset(task.dataset("eval"), tok, canvas, seed=0, batch_size=4)))
+        rollout = sample(model, (prompts.tokens, prompts.valid), greedy, key=jax.random.key(1))
+        texts = decode_completions(tok, rollout, stop_ids=(tok.eos_id,))  # an untrained model's 4 texts
+        ```
     """
     prompt_tokens, prompt_valid = (jnp.asarray(prompts[0], jnp.int32), jnp.asarray(prompts[1], bool))
     if prompt_tokens.ndim != 2 or prompt_valid.shape != prompt_tokens.shape:

@@ -119,7 +119,17 @@ def initialize(group: ProcessGroup | None = None, *, cpu_devices: int | None = N
     computation. `cpu_devices` sets the number of local CPU devices (virtual ones for local runs);
     CPU collectives go through gloo. A single-process group only applies `cpu_devices`.
     `lost_after_s` (default `BDLM_LOST_AFTER_S`, else 60): how long a silent process is waited for
-    before the others stop (see the module docstring)."""
+    before the others stop (see the module docstring).
+
+    Example:
+        ```py
+        from bd_train import distributed
+
+        group = distributed.initialize()  # BDLM_* variables, or what a TPU VM, SLURM or Kubernetes sets
+        ...  # meshes now span every process's devices; every process runs the same stage
+        distributed.shutdown()
+        ```
+    """
     group = ProcessGroup.from_env() if group is None else group
     if not 0 <= group.process_id < group.num_processes:
         raise DistributedError(f"process_id {group.process_id} is outside 0..{group.num_processes - 1}; "

@@ -99,6 +99,25 @@ class Trainer:
     `reduce_metrics`: on an update step the loss and aux metrics cover every microbatch of the
     update, on a streaming call with `is_update_step=False` those of the call. Updates
     apply the state's own optimizer; the trainer's is the one `init` puts in new states.
+
+    Example:
+        ```python
+        import jax
+        from bd_data import ByteTokenizer, CanvasConfig, CorruptionConfig, get_task, iterate, sft_dataset
+        from bd_models import BlockDiffusionLM, ModelConfig
+        from bd_train import OptimizerConfig, Trainer, TrainerConfig, make_optimizer, sft_objective
+
+        task, tok = get_task("argsort", length=6), ByteTokenizer()
+        canvas = CanvasConfig(prompt_len=8, max_new_tokens=8, block_size=4)
+        batches = iterate(sft_dataset(task.dataset("train"), tok, canvas, CorruptionConfig(), seed=0, batch_size=64))
+        model = BlockDiffusionLM(ModelConfig(vocab_size=tok.vocab_size, d_model=64, n_layers=2, n_heads=4,
+                                             n_kv_heads=4, d_ff=256, block_size=4), key=jax.random.key(0))
+        trainer = Trainer(sft_objective, make_optimizer(OptimizerConfig(learning_rate=3e-3)),
+                          TrainerConfig(microbatches=2))
+        state = trainer.init(model, key=jax.random.key(2))
+        for _ in range(3):
+            state, metrics = trainer.step(state, next(batches))  # metrics["loss"]: the whole batch's
+        ```
     """
 
     def __init__(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, config: TrainerConfig | None = None):

@@ -82,7 +82,16 @@ def _overridden(config: dict, task: str | None, n: int | None) -> dict:
 def evaluate(checkpoint: str | Path, *, task: str | None = None, samples: int = 4, n: int | None = None,
              thresholds: tuple[float, ...] = THRESHOLDS, seed: int = 0, config: str | None = None) -> dict[str, Any]:
     """Every number of the module docstring for one checkpoint, as plain values (JSON-ready).
-    `config`: a preset's TOML text, needed for a Hugging Face folder."""
+    `config`: a preset's TOML text, needed for a Hugging Face folder.
+
+    Example:
+        ```py
+        from bd_train.evaluate import evaluate, format_report
+
+        report = evaluate("runs/pipeline/<run-id>/checkpoints/grpo", samples=8)
+        print(format_report(report))
+        ```
+    """
     run, model = load(checkpoint, task=task, n=n, config=config)
     result = evaluate_report(model, run, key=jax.random.key(seed), samples=samples, thresholds=thresholds,
                              timed=True)

@@ -220,7 +220,17 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
     are costed (`COSTS`: "train step" skips the unrolled twins of every other program, the slow
     part of a plan). `memo`, kept across
     calls, lets plans of several presets share what they compiled for the same slice (the same
-    teacher, say)."""
+    teacher, say).
+
+    Example:
+        ```py
+        import tomllib
+        from bd_train.plan import format_plan, plan
+
+        preset = tomllib.loads(open("flows/configs/sdar_1p7b.toml").read())
+        print(format_plan(plan(preset, "v5e:2x4", name="sdar_1p7b")))  # needs libtpu: `make plan-env`
+        ```
+    """
     from .stages._config import parse_pipeline_config, pipeline_config
 
     data = _with_attention(data, attention)
