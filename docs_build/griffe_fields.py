@@ -94,8 +94,9 @@ def _equinox_init(cls: Class) -> None:
                         default=_field_default(f)) for f in required + optional))))
 
 
-def fold_fields(cls: Class) -> None:
-    """Move the class's public attributes into its docstring's `Attributes:` table."""
+def fold_fields(cls: Class, parser: Any = None, options: dict | None = None) -> None:
+    """Move the class's public attributes into its docstring's `Attributes:` table (parsed with
+    `parser` and `options` unless the docstring names its own)."""
     if "__init__" not in cls.members and _is_equinox(cls):
         _equinox_init(cls)
     fields = _fields(cls)
@@ -116,13 +117,16 @@ def fold_fields(cls: Class) -> None:
         lines += ["", *table]
     else:
         lines[where:where] = [*table, ""]
-    cls.docstring = Docstring("\n".join(lines), parent=cls, lineno=cls.docstring.lineno if cls.docstring else None,
-                              endlineno=cls.docstring.endlineno if cls.docstring else None)
+    old = cls.docstring
+    cls.docstring = Docstring("\n".join(lines), parent=cls, lineno=old.lineno if old else None,
+                              endlineno=old.endlineno if old else None,
+                              parser=(old.parser if old and old.parser else parser),
+                              parser_options=(old.parser_options if old and old.parser_options else options))
     for attr in fields:
         cls.del_member(attr.name)
 
 
-def _walk(obj: Module | Class, seen: set[str]) -> None:
+def _walk(obj: Module | Class, seen: set[str], parser: Any, options: dict | None) -> None:
     if obj.canonical_path in seen:
         return
     seen.add(obj.canonical_path)
@@ -130,12 +134,17 @@ def _walk(obj: Module | Class, seen: set[str]) -> None:
         if member.is_alias:
             continue
         if isinstance(member, Class):
-            _walk(member, seen)
-            fold_fields(member)
+            _walk(member, seen, parser, options)
+            fold_fields(member, parser, options)
         elif isinstance(member, Module):
-            _walk(member, seen)
+            _walk(member, seen, parser, options)
 
 
 class FieldTables(Extension):
-    def on_package(self, *, pkg: Module, **kwargs: Any) -> None:
-        _walk(pkg, set())
+    def on_package(self, *, pkg: Module, loader: Any = None, **kwargs: Any) -> None:
+        # Dataclasses' `__init__` comes from their fields: make it before the fields move (griffe's
+        # own extension skips a class that has one, so running it first again changes nothing).
+        from griffe._internal.extensions.dataclasses import _apply_recursively
+
+        _apply_recursively(pkg, set())
+        _walk(pkg, set(), getattr(loader, "docstring_parser", None), getattr(loader, "docstring_options", None))
