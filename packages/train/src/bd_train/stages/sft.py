@@ -28,6 +28,7 @@ def run_sft(config: Any, where: RunDir, *, role: str, start: StageResult | None 
             fail_after: int | None = None) -> StageResult:
     """Train (or adopt) the `role` model; returns its checkpoint, identity, history and eval. With
     `start`, train on from that stage's model (fresh optimizer), its folder pinned in the checkpoints.
+    `fail_after` is for tests only: it raises `SimulatedFailure` once that step is saved.
 
     Example:
         ```py
