@@ -51,6 +51,13 @@ class ViewLayout:
 
     `positions` is the RoPE position in the canvas (equal for a token in every view), `block_ids`
     the canvas block, `view_ids` 0 for the clean stream and v >= 1 for noisy view v.
+
+    Attributes:
+        tokens: token ids `[B, T]`.
+        positions: RoPE positions in the canvas, equal for a token in every view.
+        block_ids: the canvas block of each token.
+        view_ids: 0 for the clean stream, v ≥ 1 for noisy view v.
+        valid: False for padding (never attended, never supervised).
     """
 
     tokens: Array | np.ndarray
@@ -117,6 +124,12 @@ class DiffusionTokenBatch:
     `targets[b, i]` is the clean token at position i (no shift); inactive targets are 0 with weight
     0. `denom_weights` is what each position adds to the loss denominator (for `elbo` weighting,
     the valid completion tokens; for `none`, the masked ones); by default `weights > 0`.
+
+    Attributes:
+        layout: the packed views.
+        targets: the clean token at each position (0 where inactive).
+        weights: each position's loss weight.
+        denom_weights: what each position adds to the loss denominator.
     """
 
     layout: ViewLayout

@@ -29,6 +29,12 @@ class WeightedMetric:
 
     `eps` is added to the denominator and `min_denom` floors it; both are static settings that
     every combined metric must share. A zero (effective) denominator computes to exactly 0.
+
+    Attributes:
+        numerator: the summed quantity.
+        denominator: what it is normalized by, summed the same way.
+        eps: added to the denominator (static).
+        min_denom: a floor for the denominator (static).
     """
 
     numerator: Array
@@ -92,6 +98,10 @@ class LossOutput:
 
     Aux values are `WeightedMetric`s (reduced globally), `MaxMetric`s (the global maximum) or plain
     arrays (averaged).
+
+    Attributes:
+        loss: the objective, a weighted metric.
+        aux: further metrics by name, reduced by their type.
     """
 
     loss: WeightedMetric

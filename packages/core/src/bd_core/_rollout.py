@@ -28,7 +28,16 @@ TRACE_VERSION = 1
 @dataclasses.dataclass(frozen=True)
 class DiffusionTrace:
     """Per row and step (`R` steps, block size `b`): block `[B, R]`, committed mask, tokens and
-    log-probs `[B, R, b]`, step validity `[B, R]`. Uncommitted entries hold token 0, log-prob 0."""
+    log-probs `[B, R, b]`, step validity `[B, R]`. Uncommitted entries hold token 0, log-prob 0.
+
+    Attributes:
+        block_ids: `[B, R]` the block each step denoised.
+        committed: `[B, R, b]` which of the block's positions committed at that step.
+        tokens: `[B, R, b]` the committed tokens.
+        logprobs: `[B, R, b]` their log-probabilities under the sampling distribution.
+        step_valid: `[B, R]` whether the row took that step.
+        version: the trace layout's version (`TRACE_VERSION`).
+    """
 
     block_ids: Array
     committed: Array
@@ -85,6 +94,14 @@ class RolloutOutput:
     `prompt_tokens/prompt_valid` `[B, P]`; `completion_tokens/completion_valid` `[B, N]` (valid =
     inside a block that was generated); `nfe` `[B]` forward passes in which the row was active;
     `trace` the exact denoising trace (or None).
+
+    Attributes:
+        prompt_tokens: `[B, P]` the left-padded prompts.
+        prompt_valid: `[B, P]` False for padding.
+        completion_tokens: `[B, N]` the generated tokens.
+        completion_valid: `[B, N]` True inside blocks that were generated.
+        nfe: `[B]` forward passes in which the row was active.
+        trace: the exact denoising trace, or None.
     """
 
     prompt_tokens: Array

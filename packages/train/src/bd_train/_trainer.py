@@ -33,7 +33,13 @@ class NonFiniteError(RuntimeError):
 class TrainerConfig:
     """`microbatches`: k, scanned inside one program per call. `streaming`: keep an accumulator in
     the state so calls with `is_update_step=False` add to the next update. A run stops after
-    `max_consecutive_nonfinite` skipped non-finite updates in a row."""
+    `max_consecutive_nonfinite` skipped non-finite updates in a row.
+
+    Attributes:
+        microbatches: parts each batch is split into, accumulated exactly in one program.
+        streaming: keep an accumulator in the state across calls (`is_update_step=False`).
+        max_consecutive_nonfinite: skipped non-finite updates in a row before `NonFiniteError`.
+    """
 
     microbatches: int = 1
     streaming: bool = False
@@ -50,7 +56,18 @@ class TrainState(eqx.Module):
     """`step` counts update steps taken (applied or skipped); `key` is fixed and folded with the
     step and microbatch index, so a restored run draws the same keys as an uninterrupted one.
     The optimizer is a static field: a state knows how it is updated, and making one (or its
-    restore target, `eqx.filter_eval_shape(TrainState.init, ...)`) needs no trainer."""
+    restore target, `eqx.filter_eval_shape(TrainState.init, ...)`) needs no trainer.
+
+    Attributes:
+        step: update steps taken (applied or skipped).
+        model: the model (with LoRA adapters, the adapters are what trains).
+        opt_state: the optimizer's state.
+        key: the base key, folded with the step and microbatch index.
+        nonfinite_total: updates skipped for a non-finite loss or gradient.
+        nonfinite_streak: such skips in a row.
+        accumulator: the streaming accumulator, or None.
+        optimizer: the optax transformation (static).
+    """
 
     step: jax.Array
     model: Any

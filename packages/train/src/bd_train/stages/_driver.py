@@ -55,7 +55,22 @@ class StageSpec:
 
 @dataclasses.dataclass
 class StageResult:
-    """What a stage hands to the next one and to the summary: small values only."""
+    """What a stage hands to the next one and to the summary: small values only.
+
+    Attributes:
+        stage: the stage's name (`sft-teacher`, `sft-student`, `opd`, `grpo`).
+        role: `teacher` or `student`.
+        checkpoint_dir: the stage's checkpoint folder.
+        step: the last step saved.
+        identity: the model identity fingerprint, as JSON.
+        history: the logged metric rows.
+        evaluation: the held-out evaluation.
+        curves_png: the training curves as a PNG.
+        wandb_run_dir: the stage's W&B run folder.
+        export_dir: the Hugging Face export (`[run] export = true`).
+        params: `{"trained": ..., "total": ...}` parameter counts.
+        seconds: wall-clock of `updates`, `train`, `first` (compiling) and `eval`.
+    """
 
     stage: str
     role: str
