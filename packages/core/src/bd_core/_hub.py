@@ -32,7 +32,14 @@ class HubError(ConfigError):
 @dataclasses.dataclass(frozen=True)
 class PretrainedSource:
     """A released checkpoint's files: `folder` holds them; `repo_id`, `revision` (as asked) and
-    `commit` (the snapshot's resolved 40-hex commit) when they came from the Hub, else None."""
+    `commit` (the snapshot's resolved 40-hex commit) when they came from the Hub, else None.
+
+    Attributes:
+        folder: the local folder with the files.
+        repo_id: the Hub repo id, or None for a local folder.
+        revision: the branch, tag or commit asked for.
+        commit: the commit the revision resolved to.
+    """
 
     folder: Path
     repo_id: str | None = None

@@ -71,7 +71,14 @@ class CanvasConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Canvas:
-    """One clean canvas, all `[P + N]`: tokens, valid, positions, block ids."""
+    """One clean canvas, all `[P + N]`: tokens, valid, positions, block ids.
+
+    Attributes:
+        tokens: `[P + N]` token ids.
+        valid: `[P + N]` False for padding.
+        positions: `[P + N]` RoPE positions.
+        block_ids: `[P + N]` canvas blocks.
+    """
 
     tokens: np.ndarray
     valid: np.ndarray

@@ -24,7 +24,15 @@ from ._example import Example
 @dataclasses.dataclass(frozen=True)
 class PromptBatch:
     """Left-padded prompts for rollouts: tokens `[B, P]` int32, valid `[B, P]` bool, canvas
-    positions `[B, C]` int32, source indices `[B]` int64, and the examples (for rewards)."""
+    positions `[B, C]` int32, source indices `[B]` int64, and the examples (for rewards).
+
+    Attributes:
+        tokens: `[B, P]` left-padded prompt ids.
+        valid: `[B, P]` False for padding.
+        positions: `[B, C]` canvas positions.
+        index: `[B]` the examples' indices in their source.
+        examples: the examples themselves (for rewards).
+    """
 
     tokens: np.ndarray
     valid: np.ndarray

@@ -86,6 +86,14 @@ class CountdownTask(ReasoningGymTask):
     Scored exactly (rationals) without eval: 1.0 on target; otherwise reasoning-gym's partial
     credits, 0.05 for a well-formed expression with a wrong value or wrong numbers and 0.01 for
     anything else. Unlike the library, `**`, decimals, names and leading zeros are malformed.
+
+    Attributes:
+        min_numbers: the fewest numbers in a problem.
+        max_numbers: the most numbers in a problem.
+        min_value: the smallest number.
+        max_value: the largest number.
+        min_target: the smallest target.
+        max_target: the largest target.
     """
 
     min_numbers: int = 3

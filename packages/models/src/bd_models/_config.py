@@ -28,7 +28,14 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 class RopeScaling:
     """Llama-3 RoPE frequency scaling (`rope_type = "llama3"` in a checkpoint's config): wavelengths
     longer than `original_max_position_embeddings / low_freq_factor` are divided by `factor`,
-    shorter than `.../ high_freq_factor` kept, and the band between interpolated smoothly."""
+    shorter than `.../ high_freq_factor` kept, and the band between interpolated smoothly.
+
+    Attributes:
+        factor: what long wavelengths are divided by.
+        low_freq_factor: sets where the long wavelengths begin.
+        high_freq_factor: sets where the short (kept) wavelengths end.
+        original_max_position_embeddings: the context length the model was trained at.
+    """
 
     factor: float
     low_freq_factor: float

@@ -45,7 +45,14 @@ ADAPTER_LEAVES = ("lora_a", "lora_b")
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
     """`rank` r, `alpha` (the update is scaled by alpha / r), the projections to adapt (any of
-    `TARGETS`: attention `wq wk wv wo`, MLP `w_gate w_up w_down`) and input `dropout`."""
+    `TARGETS`: attention `wq wk wv wo`, MLP `w_gate w_up w_down`) and input `dropout`.
+
+    Attributes:
+        rank: r, the adapters' rank.
+        alpha: the update is scaled by alpha / rank.
+        targets: the projections that get adapters (names of `TARGETS`).
+        dropout: dropout on the adapters' input while training.
+    """
 
     rank: int = 8
     alpha: float = 16.0
@@ -81,7 +88,16 @@ class LoRAConfig:
 
 
 class LoRAWeight(eqx.Module):
-    """A frozen matrix `base [.., in, out]` with its adapter `lora_a [.., in, r]`, `lora_b [.., r, out]`."""
+    """A frozen matrix `base [.., in, out]` with its adapter `lora_a [.., in, r]`, `lora_b [.., r, out]`.
+
+    Attributes:
+        base: the frozen matrix `[.., in, out]`.
+        lora_a: the adapter's down projection `[.., in, r]`.
+        lora_b: the adapter's up projection `[.., r, out]` (zero at start).
+        scale: alpha / rank (static).
+        dropout: input dropout while training (static).
+        dropout_key: the dropout key, set inside a training loss only.
+    """
 
     base: Array
     lora_a: Array

@@ -80,6 +80,13 @@ class BlockDiffusionLM(eqx.Module):
                              block_size=4)
         model = BlockDiffusionLM(config, key=jax.random.key(0))
         ```
+
+    Attributes:
+        config: the architecture.
+        embedding: the token embedding `[V, D]`.
+        layers: the decoder layers, stacked along a leading `[L]` axis.
+        final_norm: the RMSNorm scale before the head.
+        lm_head: the output head `[D, V]`, or None when tied to the embedding.
     """
 
     config: ModelConfig = eqx.field(static=True)

@@ -53,7 +53,13 @@ class DistributedError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class ProcessGroup:
-    """Where this process stands: the coordinator, how many processes join it, and which one this is."""
+    """Where this process stands: the coordinator, how many processes join it, and which one this is.
+
+    Attributes:
+        coordinator_address: `host:port` of process 0's coordination service (None: one process).
+        num_processes: processes in the group.
+        process_id: this process's index (0 is the coordinator).
+    """
 
     coordinator_address: str | None
     num_processes: int

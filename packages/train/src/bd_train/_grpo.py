@@ -166,7 +166,14 @@ def grpo_objective(new_logp: Float[Array, "B T"], old_logp: Float[ArrayLike, "B 
 @dataclasses.dataclass(frozen=True)
 class GRPOBatch:
     """A replay batch (weights > 0 mark the committed action tokens) with the rollout's recorded
-    log-probs `[B, T]`, per-row advantages `[B]` and, optionally, reference log-probs `[B, T]`."""
+    log-probs `[B, T]`, per-row advantages `[B]` and, optionally, reference log-probs `[B, T]`.
+
+    Attributes:
+        batch: the replay batch; weights > 0 mark the action tokens.
+        old_logp: `[B, T]` the rollout's recorded log-probabilities.
+        advantages: `[B]` each row's advantage.
+        ref_logp: `[B, T]` the reference policy's log-probabilities (for `beta`), or None.
+    """
 
     batch: DiffusionTokenBatch
     old_logp: Array

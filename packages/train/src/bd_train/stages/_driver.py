@@ -39,7 +39,20 @@ StepFn = Callable[["TrainState", int], "tuple[TrainState, dict]"]
 class StageSpec:
     """What a recipe hands the driver. `name` names the checkpoint folder, the W&B job type and
     the progress bar; every checkpoint pins `fingerprints`; `updates_per_step` is how many updates
-    one `step_fn` call takes (GRPO's updates per rollout)."""
+    one `step_fn` call takes (GRPO's updates per rollout).
+
+    Attributes:
+        name: the stage's name: its checkpoint folder, W&B job type and progress bar.
+        role: `teacher` or `student`.
+        title: how tables and plots name the stage.
+        total: the updates to train to.
+        fingerprints: what every checkpoint of the stage pins, by name.
+        learning_rate: the learning rate at a step (for the logs).
+        curves: the metrics the card plots.
+        eval_key: the key of the held-out evaluation.
+        mesh: the mesh the stage runs on, or None.
+        updates_per_step: updates one `step_fn` call takes.
+    """
 
     name: str
     role: str
