@@ -103,10 +103,11 @@ bench: sync plan-env
 JAX_VERSION := $(shell sed -n 's/.*"jax==\([0-9.]*\)".*/\1/p' packages/core/pyproject.toml)
 bench-gpu: sync
 	$(UV) pip install --python .venv/bin/python --quiet "jax[cuda12]==$(JAX_VERSION)"
-	$(RUN) python bench/train_step.py --device gpu
+	$(RUN) python bench/accelerator.py
 
-# The documentation site (mkdocs-material + mkdocstrings, source in docs/), built with --strict:
-# a broken link, a missing page or a reference that does not resolve fails it.
+# The documentation site (mkdocs-material + mkdocstrings, source in docs/, build-time generators in
+# docs_build/), built with --strict: a broken link, a missing page or a reference that does not
+# resolve fails it. Pages are files (no directory URLs): site/index.html opens from disk.
 docs: sync
 	NO_MKDOCS_2_WARNING=1 $(RUN) mkdocs build --strict --site-dir site
 

@@ -1,7 +1,7 @@
 """The accelerator path on one GPU: the bfloat16 train-step MFU at SCALING.md's 1B config, and the
 Pallas (Triton) attention kernels against XLA's blocked kernel.
 
-`make bench-gpu` (or `python bench/train_step.py --device gpu`) on a machine with a GPU:
+`make bench-gpu` (or `python bench/accelerator.py`; `python bench/train_step.py --device gpu` calls it) on a GPU:
 - Train step: SCALING.md's 1B decoder (D 2048, 22 layers, 32 query and 4 kv heads of 64, SwiGLU
   5632, vocab 32,000 tied, block 4), mixed precision (float32 master weights and AdamW state,
   bfloat16 activations and matmul operands: `compute_dtype="bfloat16"`), remat `elementwise`,

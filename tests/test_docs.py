@@ -1,5 +1,6 @@
 """The documentation site builds with --strict (no broken link, missing page or unresolved
-reference) and its API reference covers every name the packages export."""
+reference), its API reference covers every name the packages export, its pages open from
+`file://` (no directory URLs) and nothing but pages and assets is published."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("bd_core", "bd_data", "bd_models", "bd_train", "bd_train.stages")
+PACKAGES = ("bd_core", "bd_data", "bd_models", "bd_train", "bd_train.stages", "bd_train.distributed")
 
 
 def _inventory(site: Path) -> set[str]:
@@ -39,7 +40,14 @@ def test_site_builds_strict_and_references_every_exported_name(tmp_path):
                 missing.append(f"{package}.{name}")
     assert not missing, f"not in the API reference: {missing}"
     # the generated pages: every preset table, and the attention figure
-    presets = (site / "reference" / "presets" / "index.html").read_text()
+    presets = (site / "reference" / "presets.html").read_text()
     for table in ("[task]", "[sft.corruption]", "[grpo.optim]", "[student.lora]", "[mesh]", "[run]"):
         assert table in presets, table
+    assert "generated:" not in presets and "teacher_steps" in presets
+    assert "student_grpo" in (site / "make-run.html").read_text()  # the printout, made from the committed summary
     assert (site / "assets" / "attention-mask.png").stat().st_size > 10_000
+    published = [p.relative_to(site) for p in site.rglob("*") if p.is_file()]
+    assert not [p for p in published if p.suffix == ".py"], "Python files are published"
+    assert not (site / "reference" / "bd_models" / "index.html").exists()  # file:// opens pages, not folders
+    for name in ("bd_models", "bd_train", "evaluate", "distributed", "plan"):
+        assert (site / "reference" / f"{name}.html").is_file()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-GUIDES = ["README.md", "docs/guides/released-checkpoint.md", "docs/guides/new-stage.md"]
+GUIDES = ["docs/packages.md", "docs/guides/released-checkpoint.md", "docs/guides/new-stage.md"]
 
 
 def _script(page: str) -> str:

@@ -32,6 +32,7 @@ from ._validate import (
 Array = jax.Array
 
 CLEAN_VIEW = 0
+"""The view id of the clean stream in a `ViewLayout` (noisy views are 1, 2, ...)."""
 
 
 def _holds_arrays(contract: Any) -> bool:
@@ -50,6 +51,13 @@ class ViewLayout:
 
     `positions` is the RoPE position in the canvas (equal for a token in every view), `block_ids`
     the canvas block, `view_ids` 0 for the clean stream and v >= 1 for noisy view v.
+
+    Attributes:
+        tokens: token ids `[B, T]`.
+        positions: RoPE positions in the canvas, equal for a token in every view.
+        block_ids: the canvas block of each token.
+        view_ids: 0 for the clean stream, v ≥ 1 for noisy view v.
+        valid: False for padding (never attended, never supervised).
     """
 
     tokens: Array | np.ndarray
@@ -60,6 +68,7 @@ class ViewLayout:
 
     @classmethod
     def create(cls, tokens, positions, block_ids, view_ids, valid, *, validate: bool = True) -> ViewLayout:
+        """A layout from its five `[B, T]` arrays (ints as int32), validated unless `validate=False`."""
         layout = cls(
             tokens=as_int32(tokens),
             positions=as_int32(positions),
@@ -115,6 +124,12 @@ class DiffusionTokenBatch:
     `targets[b, i]` is the clean token at position i (no shift); inactive targets are 0 with weight
     0. `denom_weights` is what each position adds to the loss denominator (for `elbo` weighting,
     the valid completion tokens; for `none`, the masked ones); by default `weights > 0`.
+
+    Attributes:
+        layout: the packed views.
+        targets: the clean token at each position (0 where inactive).
+        weights: each position's loss weight.
+        denom_weights: what each position adds to the loss denominator.
     """
 
     layout: ViewLayout
@@ -125,6 +140,8 @@ class DiffusionTokenBatch:
     @classmethod
     def create(cls, layout: ViewLayout, targets, weights, denom_weights=None, *, vocab_size: int | None = None,
                validate: bool = True) -> DiffusionTokenBatch:
+        """A batch from its parts, arrays converted to int32/float32 (boolean weights become 0/1) and validated unless
+        `validate=False`."""
         weights = as_array(weights)
         if weights.dtype == np.bool_:
             weights = weights.astype(np.float32)
@@ -185,10 +202,14 @@ class DistillationBatch:
 
     @classmethod
     def create(cls, student: DiffusionTokenBatch, teacher_logits: Any, *, validate: bool = True) -> DistillationBatch:
+        """A distillation batch from a student batch and the teacher's logits on the same layout, validated unless
+        `validate=False`."""
         batch = cls(student, jnp.asarray(teacher_logits))
         return batch.validate() if validate else batch
 
     def validate(self) -> DistillationBatch:
+        """Check shapes, dtypes and that the teacher's logits cover the student's layout; returns self or raises
+        `ContractError`."""
         owner = "DistillationBatch"
         if not isinstance(self.student, DiffusionTokenBatch):
             raise ContractError(f"{owner}.student: expected a DiffusionTokenBatch, got {type(self.student).__name__}")

@@ -61,6 +61,13 @@ def canonical(value: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Fingerprint:
+    """A canonical set of fields and the SHA-256 digest of their JSON form: what a checkpoint's config means, compared
+    field by field on restore.
+
+    Attributes:
+        digest: hex SHA-256 of the canonical JSON of `fields` and `version`.
+        fields: the canonical fields (nested dicts of JSON values).
+        version: the fingerprint format's version; digests of different versions never match."""
     digest: str
     fields: dict[str, Any]
     version: int = FINGERPRINT_VERSION
@@ -74,10 +81,12 @@ class Fingerprint:
         return out
 
     def to_json(self) -> dict[str, Any]:
+        """The fingerprint as a JSON-ready dict (`digest`, `fields`, `version`), as checkpoints store it."""
         return {"digest": self.digest, "fields": self.fields, "version": self.version}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Fingerprint:
+        """The fingerprint `to_json` wrote; a malformed record raises `ValueError` naming the keys it needs."""
         try:
             return cls(digest=str(data["digest"]), fields=dict(data["fields"]), version=int(data["version"]))
         except (KeyError, TypeError, ValueError) as err:
@@ -85,6 +94,22 @@ class Fingerprint:
 
 
 def fingerprint(fields: Mapping[str, Any], *, version: int = FINGERPRINT_VERSION) -> Fingerprint:
+    """The `Fingerprint` of `fields`: canonicalized (sorted keys, tuples as lists, floats exact), then hashed.
+
+    Args:
+        fields: JSON-like values (dicts, lists, tuples, numbers, strings, None, dataclasses).
+        version: the fingerprint format's version.
+
+    Returns:
+        The fingerprint; equal fields give equal digests in every process.
+
+    Example:
+        ```python
+        from bd_core import fingerprint
+
+        fp = fingerprint({"block_size": 4, "mask_id": 257})
+        assert fp.diff(fingerprint({"block_size": 8, "mask_id": 257})) == {"block_size": (4, 8)}
+        ```"""
     canon = canonical(dict(fields))
     payload = json.dumps({"fields": canon, "version": version}, sort_keys=True, separators=(",", ":"))
     return Fingerprint(hashlib.sha256(payload.encode()).hexdigest(), canon, version)

@@ -20,6 +20,7 @@ from ._config import ConfigError
 # What a model and its tokenizer are read from; nothing else is downloaded.
 HUB_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
              "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+"""The file patterns `resolve_pretrained` fetches from a Hub repo: config, weights, tokenizer and chat template."""
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
@@ -31,7 +32,14 @@ class HubError(ConfigError):
 @dataclasses.dataclass(frozen=True)
 class PretrainedSource:
     """A released checkpoint's files: `folder` holds them; `repo_id`, `revision` (as asked) and
-    `commit` (the snapshot's resolved 40-hex commit) when they came from the Hub, else None."""
+    `commit` (the snapshot's resolved 40-hex commit) when they came from the Hub, else None.
+
+    Attributes:
+        folder: the local folder with the files.
+        repo_id: the Hub repo id, or None for a local folder.
+        revision: the branch, tag or commit asked for.
+        commit: the commit the revision resolved to.
+    """
 
     folder: Path
     repo_id: str | None = None

@@ -26,9 +26,11 @@ class TokenMeta(NamedTuple):
 
     @classmethod
     def from_layout(cls, layout: ViewLayout) -> TokenMeta:
+        """The view ids, block ids and validity of a layout's tokens."""
         return cls(jnp.asarray(layout.view_ids), jnp.asarray(layout.block_ids), jnp.asarray(layout.valid))
 
     def slice(self, start, size: int, axis: int = 1) -> TokenMeta:
+        """The metadata of `size` tokens from `start` along `axis` (a query or key tile)."""
         return TokenMeta(*(jax.lax.dynamic_slice_in_dim(a, start, size, axis) for a in self))
 
     def pad_to(self, length: int) -> TokenMeta:

@@ -29,6 +29,12 @@ class WeightedMetric:
 
     `eps` is added to the denominator and `min_denom` floors it; both are static settings that
     every combined metric must share. A zero (effective) denominator computes to exactly 0.
+
+    Attributes:
+        numerator: the summed quantity.
+        denominator: what it is normalized by, summed the same way.
+        eps: added to the denominator (static).
+        min_denom: a floor for the denominator (static).
     """
 
     numerator: Array
@@ -51,6 +57,7 @@ class WeightedMetric:
         return dataclasses.replace(self, numerator=jnp.sum(self.numerator), denominator=jnp.sum(self.denominator))
 
     def effective_denominator(self) -> Array:
+        """The denominator as `compute` divides by it: plus `eps`, at least `min_denom` when set."""
         den = jnp.asarray(self.denominator)
         if self.eps is not None:
             den = den + self.eps
@@ -59,6 +66,7 @@ class WeightedMetric:
         return den
 
     def compute(self) -> Array:
+        """The metric's value, numerator over effective denominator (0 where the denominator is 0)."""
         den = self.effective_denominator()
         safe = jnp.where(den == 0, jnp.ones_like(den), den)
         return jnp.where(den == 0, jnp.zeros_like(self.numerator / safe), self.numerator / safe)
@@ -90,6 +98,10 @@ class LossOutput:
 
     Aux values are `WeightedMetric`s (reduced globally), `MaxMetric`s (the global maximum) or plain
     arrays (averaged).
+
+    Attributes:
+        loss: the objective, a weighted metric.
+        aux: further metrics by name, reduced by their type.
     """
 
     loss: WeightedMetric
@@ -132,6 +144,23 @@ def reduce_metrics(buffer: Sequence[Mapping[str, Metric]] | Mapping[str, Metric]
     `buffer` is a sequence of dicts (one per microbatch or step) or one dict whose values carry
     leading (e.g. scanned microbatch) axes. Weighted metrics become Σnumerator / Σdenominator over
     everything; plain arrays become the mean of their per-entry means.
+
+    Args:
+        buffer: one dict of metrics per microbatch or step, or one dict with leading axes.
+
+    Returns:
+        Each metric's value over the whole buffer.
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+        from bd_core import WeightedMetric, reduce_metrics
+
+        short = WeightedMetric(jnp.array(3.0), jnp.array(2.0))  # loss 3 summed over 2 tokens
+        long = WeightedMetric(jnp.array(1.0), jnp.array(6.0))  # loss 1 summed over 6 tokens
+        loss = reduce_metrics([{"loss": short}, {"loss": long}])["loss"]
+        assert abs(float(loss) - 0.5) < 1e-6  # 4 / 8 tokens, not the mean of 1.5 and 0.17
+        ```
     """
     entries = [buffer] if isinstance(buffer, Mapping) else list(buffer)
     kinds: dict[str, str] = {}

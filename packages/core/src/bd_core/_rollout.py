@@ -21,13 +21,23 @@ from ._validate import ContractError, check_bool, check_float, check_int, check_
 Array = jax.Array
 
 TRACE_VERSION = 1
+"""The version of `DiffusionTrace`'s layout; a replay refuses a trace of another version."""
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DiffusionTrace:
     """Per row and step (`R` steps, block size `b`): block `[B, R]`, committed mask, tokens and
-    log-probs `[B, R, b]`, step validity `[B, R]`. Uncommitted entries hold token 0, log-prob 0."""
+    log-probs `[B, R, b]`, step validity `[B, R]`. Uncommitted entries hold token 0, log-prob 0.
+
+    Attributes:
+        block_ids: `[B, R]` the block each step denoised.
+        committed: `[B, R, b]` which of the block's positions committed at that step.
+        tokens: `[B, R, b]` the committed tokens.
+        logprobs: `[B, R, b]` their log-probabilities under the sampling distribution.
+        step_valid: `[B, R]` whether the row took that step.
+        version: the trace layout's version (`TRACE_VERSION`).
+    """
 
     block_ids: Array
     committed: Array
@@ -49,6 +59,7 @@ class DiffusionTrace:
         return int(np.shape(self.committed)[2])
 
     def validate(self) -> DiffusionTrace:
+        """Check the trace's shapes, dtypes and version; returns self or raises `ContractError` naming the field."""
         owner = "DiffusionTrace"
         b, r = check_rank(owner, "block_ids", self.block_ids, 2, "B, R")
         check_int(owner, "block_ids", self.block_ids)
@@ -83,6 +94,14 @@ class RolloutOutput:
     `prompt_tokens/prompt_valid` `[B, P]`; `completion_tokens/completion_valid` `[B, N]` (valid =
     inside a block that was generated); `nfe` `[B]` forward passes in which the row was active;
     `trace` the exact denoising trace (or None).
+
+    Attributes:
+        prompt_tokens: `[B, P]` the left-padded prompts.
+        prompt_valid: `[B, P]` False for padding.
+        completion_tokens: `[B, N]` the generated tokens.
+        completion_valid: `[B, N]` True inside blocks that were generated.
+        nfe: `[B]` forward passes in which the row was active.
+        trace: the exact denoising trace, or None.
     """
 
     prompt_tokens: Array
@@ -97,6 +116,8 @@ class RolloutOutput:
         return int(np.shape(self.prompt_tokens)[0])
 
     def validate(self) -> RolloutOutput:
+        """Check the rollout's shapes and dtypes (and its trace's); returns self or raises `ContractError` naming the
+        field."""
         owner = "RolloutOutput"
         b, _ = check_rank(owner, "prompt_tokens", self.prompt_tokens, 2, "B, P")
         check_int(owner, "prompt_tokens", self.prompt_tokens)

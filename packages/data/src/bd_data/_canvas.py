@@ -30,6 +30,12 @@ class CanvasConfig:
     `policy`: `block_aligned` — the RoPE position of a slot is its index (padding counted);
     `contiguous` — the same slots and blocks, but positions skip the padding (the first prompt
     token is position 0 and the completion continues right after the prompt).
+
+    Attributes:
+        prompt_len: P, prompt tokens (a multiple of `block_size`); prompts are left-padded to it.
+        max_new_tokens: N, completion tokens (a multiple of `block_size`).
+        block_size: b, tokens per block: bidirectional inside a block, causal across blocks (1: autoregressive).
+        policy: RoPE positions: `block_aligned` (a slot's index, padding counted) or `contiguous` (padding skipped).
     """
 
     prompt_len: int = 16
@@ -65,7 +71,14 @@ class CanvasConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Canvas:
-    """One clean canvas, all `[P + N]`: tokens, valid, positions, block ids."""
+    """One clean canvas, all `[P + N]`: tokens, valid, positions, block ids.
+
+    Attributes:
+        tokens: `[P + N]` token ids.
+        valid: `[P + N]` False for padding.
+        positions: `[P + N]` RoPE positions.
+        block_ids: `[P + N]` canvas blocks.
+    """
 
     tokens: np.ndarray
     valid: np.ndarray

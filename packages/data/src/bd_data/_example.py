@@ -16,6 +16,13 @@ class Example:
 
     `prompt_ids`/`answer_ids`, when set, are the token ids to use instead of encoding the text
     (the JSONL loader stores them after truncating an over-long example).
+
+    Attributes:
+        prompt: the prompt text.
+        answer: the reference answer text.
+        index: the example's index in its source.
+        prompt_ids: token ids to use instead of encoding `prompt`.
+        answer_ids: token ids to use instead of encoding `answer`.
     """
 
     prompt: str

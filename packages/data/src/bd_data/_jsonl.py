@@ -41,6 +41,7 @@ class OverlongReport:
         return len(self.skipped_lines)
 
     def summary(self) -> str:
+        """One line: the over-long policy and how many examples it truncated or skipped."""
         return f"over-long policy {self.policy!r}: {self.truncated} truncated, {self.skipped} skipped"
 
 

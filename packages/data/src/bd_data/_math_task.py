@@ -97,10 +97,12 @@ class MathTask(Task):
                 for split, rows in (("train", train), ("eval", held))}
 
     def split_size(self, split: str) -> int:
+        """The number of examples in `split` (`"train"` or `"eval"`)."""
         check_split(split)
         return len(self._splits[split])
 
     def example(self, index: int, split: str = "train") -> Example:
+        """The `index`-th example of `split` as the JSONL file has it."""
         check_split(split)
         rows = self._splits[split]
         if not 0 <= index < len(rows):
@@ -108,6 +110,7 @@ class MathTask(Task):
         return rows[index]
 
     def reward(self, example: Example, completion: str) -> float:
+        """1 if math-verify finds the completion equivalent to the answer (within the time limit), else 0."""
         if not screened(completion, self.max_chars):
             return MALFORMED
         return CORRECT if verify_math(example.answer, completion, timeout_s=self.timeout_s) else MALFORMED

@@ -24,7 +24,15 @@ from ._example import Example
 @dataclasses.dataclass(frozen=True)
 class PromptBatch:
     """Left-padded prompts for rollouts: tokens `[B, P]` int32, valid `[B, P]` bool, canvas
-    positions `[B, C]` int32, source indices `[B]` int64, and the examples (for rewards)."""
+    positions `[B, C]` int32, source indices `[B]` int64, and the examples (for rewards).
+
+    Attributes:
+        tokens: `[B, P]` left-padded prompt ids.
+        valid: `[B, P]` False for padding.
+        positions: `[B, C]` canvas positions.
+        index: `[B]` the examples' indices in their source.
+        examples: the examples themselves (for rewards).
+    """
 
     tokens: np.ndarray
     valid: np.ndarray
@@ -104,6 +112,17 @@ def sft_dataset(source: Sequence[Example], tokenizer, canvas: CanvasConfig,
 
     `num_epochs=None` repeats forever (reshuffled every epoch). Element i depends only on
     (seed, i, shard), so indexing the dataset is as deterministic as iterating it.
+
+    Example:
+        ```python
+        from bd_data import ByteTokenizer, CanvasConfig, CorruptionConfig, get_task, iterate, sft_dataset
+
+        task, tok = get_task("argsort", length=6), ByteTokenizer()
+        canvas = CanvasConfig(prompt_len=8, max_new_tokens=8, block_size=4)
+        data = sft_dataset(task.dataset("train"), tok, canvas, CorruptionConfig(), seed=0, batch_size=64)
+        batch = next(iterate(data))
+        assert batch.layout.tokens.shape == (64, 24)  # prompt + completion | a noisy copy of the completion
+        ```
     """
     ds = _examples(source, seed=seed, batch_size=batch_size, shard_index=shard_index, shard_count=shard_count,
                    shuffle=shuffle, num_epochs=num_epochs)

@@ -23,6 +23,7 @@ from ._example import Example
 SPLITS = ("train", "eval")
 CORRECT = 1.0
 PARTIAL_CREDIT = 0.1
+"""The reward of a well-formed answer that is wrong (an exact answer gets 1, anything else 0)."""
 MALFORMED = 0.0
 EVAL_PERMILLE = 100  # 10% of each problem space is held out for eval
 ENDLESS = 1 << 20  # the size of a generated split's dataset unless asked otherwise
@@ -70,9 +71,11 @@ class Task(abc.ABC):
         return ENDLESS
 
     def dataset(self, split: str = "train", size: int | None = None) -> TaskSource:
+        """The examples of `split` as a random-access source for grain (`size` caps it)."""
         return TaskSource(self, split, self.split_size(split) if size is None else size)
 
     def is_correct(self, example: Example, completion: str) -> bool:
+        """Whether the completion earns the full reward."""
         return self.reward(example, completion) == CORRECT
 
 
@@ -85,6 +88,7 @@ class GeneratedTask(Task):
         """One random (prompt, answer)."""
 
     def example(self, index: int, split: str = "train") -> Example:
+        """The `index`-th example of `split`, drawn from the task's seed; eval prompts never occur in train."""
         check_split(split)
         if index < 0:
             raise IndexError(f"example index must be >= 0, got {index}")

@@ -140,14 +140,34 @@ class AdditionLSDTask(AdditionTask):
 
 TASKS: dict[str, type[Task]] = {t.name: t for t in (SortTask, ArgsortTask, AdditionTask, AdditionLSDTask,
                                                      CountdownTask, MiniSudokuTask, ChainSumTask, MathTask)}
+"""Every built-in task class by its name in `get_task` and `[task] name`."""
 # Measured (BENCHMARKS.md, bench/sft_weighting.py): 6-digit sort saturates at 100% within 300
 # steps, leaving nothing for distillation or GRPO; 6-digit argsort separates a 0.47M teacher from
 # an 86k student and keeps rising, so it is the pipeline's task. Plain addition is far too slow.
 DEFAULT_TASK = "argsort"
+"""The task `get_task` and the default preset use: 6-digit argsort."""
 
 
 def get_task(name: str, **params) -> Task:
-    """The task `name` with its params (and `seed`), e.g. `get_task("countdown", max_numbers=3)`."""
+    """The task `name` with its params (and `seed`), e.g. `get_task("countdown", max_numbers=3)`.
+
+    Args:
+        name: a name of `TASKS` (`sort`, `argsort`, `addition`, `addition_lsd`, `countdown`,
+            `mini_sudoku`, `chain_sum`, `math`).
+        **params: the task's own parameters, and `seed` (which problems it draws).
+
+    Returns:
+        The task: train and eval splits that share no prompt, and a bounded-time `reward`.
+
+    Example:
+        ```python
+        from bd_data import get_task
+
+        task = get_task("argsort", length=6)
+        example = task.example(0, "eval")  # Example(prompt="315926=", answer="140253"), say
+        assert task.reward(example, example.answer) == 1.0
+        ```
+    """
     if name not in TASKS:
         raise config_error("", "task", name, f"one of {sorted(TASKS)}")
     cls = TASKS[name]

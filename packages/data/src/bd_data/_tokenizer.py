@@ -34,8 +34,12 @@ class Tokenizer(Protocol):
     def eos_id(self) -> int: ...
     @property
     def identity(self) -> str: ...
-    def encode(self, text: str) -> np.ndarray: ...
-    def decode(self, ids, *, stop_at_eos: bool = True) -> str: ...
+    def encode(self, text: str) -> np.ndarray:
+        """The ids of `text` (int32, no special tokens added)."""
+        ...
+    def decode(self, ids, *, stop_at_eos: bool = True) -> str:
+        """The text of `ids` without special tokens, cut at the first EOS unless `stop_at_eos=False`."""
+        ...
 
 
 def _utf8(text: str) -> bytes:
@@ -93,9 +97,11 @@ class ByteTokenizer:
         return "bytes-v1+bos" if self.with_bos else "bytes-v1"
 
     def encode(self, text: str) -> np.ndarray:
+        """The UTF-8 bytes of `text` as ids 0–255."""
         return np.frombuffer(_utf8(text), dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids, *, stop_at_eos: bool = True) -> str:
+        """The text of the byte ids in `ids` (specials dropped, cut at the first EOS unless `stop_at_eos=False`)."""
         kept = bytes(i for i in _cut(ids, self.EOS, stop_at_eos) if 0 <= i < 256)
         return kept.decode("utf-8", errors="replace")
 
@@ -179,6 +185,7 @@ class HFTokenizer:
         return f"hf-{self._digest}"
 
     def encode(self, text: str) -> np.ndarray:
+        """The ids of `text` under `tokenizer.json` (no special tokens added)."""
         _utf8(text)
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
@@ -212,6 +219,7 @@ class HFTokenizer:
         self._tok.save(str(path))
 
     def decode(self, ids, *, stop_at_eos: bool = True) -> str:
+        """The text of `ids` without pad, mask and EOS (cut at the first EOS unless `stop_at_eos=False`)."""
         specials = {self._pad, self._mask, self._eos}
         kept = [i for i in _cut(ids, self._eos, stop_at_eos) if i not in specials and 0 <= i < self.vocab_size]
         return self._tok.decode(kept, skip_special_tokens=True)

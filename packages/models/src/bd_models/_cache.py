@@ -24,6 +24,14 @@ class KVCache(eqx.Module):
     A step looks its chunk's RoPE angles up in `rope_cos`/`rope_sin` (`E2` = E/2) instead of
     computing them: inside a sampling loop XLA:CPU fused the cos/sin into every q and k rotation of
     every layer, per head (BENCHMARKS.md, sampler).
+
+    Attributes:
+        k: each layer's rotated keys `[B, K, E, S]`.
+        v: each layer's values `[B, K, S, E]`.
+        valid: `[B, S]` which slots hold a token.
+        block_ids: `[B, S]` each slot's canvas block.
+        rope_cos: `[S, E/2]` RoPE cosines of the slots' positions.
+        rope_sin: `[S, E/2]` RoPE sines of the slots' positions.
     """
 
     k: tuple[Shaped[Array, "B K E S"], ...]

@@ -20,6 +20,7 @@ from bd_core import ConfigError, config_error
 ATTENTION_IMPLS = ("dense", "blocked", "shard_map", "pallas", "splash")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("elementwise", "none", "full", "save_matmuls")
+"""The values of `ModelConfig.remat`: what the backward pass recomputes per layer."""
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
@@ -27,7 +28,14 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 class RopeScaling:
     """Llama-3 RoPE frequency scaling (`rope_type = "llama3"` in a checkpoint's config): wavelengths
     longer than `original_max_position_embeddings / low_freq_factor` are divided by `factor`,
-    shorter than `.../ high_freq_factor` kept, and the band between interpolated smoothly."""
+    shorter than `.../ high_freq_factor` kept, and the band between interpolated smoothly.
+
+    Attributes:
+        factor: what long wavelengths are divided by.
+        low_freq_factor: sets where the long wavelengths begin.
+        high_freq_factor: sets where the short (kept) wavelengths end.
+        original_max_position_embeddings: the context length the model was trained at.
+    """
 
     factor: float
     low_freq_factor: float
@@ -60,7 +68,31 @@ class ModelConfig:
     `head_dim` (0: d_model / n_heads) may differ from d_model / n_heads, as in Qwen3. `qk_norm`
     adds a per-head RMSNorm on queries and keys before RoPE (Qwen3, SDAR); `qkv_bias` adds biases to
     the q/k/v projections (Qwen2); `rope_scaling` applies Llama-3 frequency scaling; `activation`
-    is the MLP gate's (`silu`, `gelu` exact, `gelu_tanh`)."""
+    is the MLP gate's (`silu`, `gelu` exact, `gelu_tanh`).
+
+    Attributes:
+        vocab_size: V, rows of the embedding (and of the untied head).
+        d_model: D, the residual width.
+        n_layers: L, decoder layers.
+        n_heads: H, query heads.
+        n_kv_heads: K, key/value heads; it divides `n_heads` (grouped-query attention).
+        d_ff: F, the SwiGLU MLP's hidden width.
+        block_size: b, tokens per block.
+        rope_theta: RoPE's base.
+        norm_eps: the RMSNorms' epsilon.
+        param_dtype: the dtype weights are stored in (`float32` or `bfloat16`).
+        compute_dtype: the dtype of activations and matmul operands.
+        attention: the attention implementation (see above).
+        tie_embeddings: the output head reuses the embedding matrix.
+        q_tile: query tile of the blocked kernels.
+        k_tile: key tile of the blocked kernels.
+        remat: what the backward pass recomputes per layer (see above).
+        head_dim: E, per-head width (0: `d_model // n_heads`).
+        qk_norm: a per-head RMSNorm on queries and keys before RoPE.
+        qkv_bias: biases on the q/k/v projections.
+        rope_scaling: Llama-3 RoPE frequency scaling, or None.
+        activation: the MLP gate's activation (`silu`, `gelu`, `gelu_tanh`).
+    """
 
     vocab_size: int
     d_model: int
@@ -147,13 +179,16 @@ class ModelConfig:
         return jnp.dtype(self.compute_dtype)
 
     def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as a plain dict, as checkpoints and fingerprints store it."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
+        """The config `to_dict` wrote; unknown or missing fields raise `ConfigError` naming them."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

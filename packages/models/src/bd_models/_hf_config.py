@@ -25,6 +25,8 @@ ARCHITECTURES = {
     "Fast_dLLM_Qwen": ("qwen2", "Fast_dLLM_QwenForCausalLM"),
     "llama": ("llama", "LlamaForCausalLM"),
 }
+"""The Hugging Face `model_type`s `from_pretrained` reads, each with the family it maps to and the architecture name
+`save_pretrained` writes."""
 EXPORT_TYPES = ("qwen3", "qwen2", "llama")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 _HF_ACTIVATION = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}

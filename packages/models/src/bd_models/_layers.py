@@ -92,7 +92,24 @@ _ACTIVATIONS = {"silu": jax.nn.silu, "gelu": lambda x: jax.nn.gelu(x, approximat
 
 
 class DecoderLayer(eqx.Module):
-    """One pre-norm block: x + Attn(norm(x)), then x + down(act(gate(norm(x))) * up(norm(x)))."""
+    """One pre-norm block: x + Attn(norm(x)), then x + down(act(gate(norm(x))) * up(norm(x))).
+
+    Attributes:
+        attn_norm: the RMSNorm scale before attention.
+        wq: the query projection (possibly a `LoRAWeight`).
+        wk: the key projection.
+        wv: the value projection.
+        wo: the attention output projection.
+        mlp_norm: the RMSNorm scale before the MLP.
+        w_gate: the MLP's gate projection.
+        w_up: the MLP's up projection.
+        w_down: the MLP's down projection.
+        q_norm: the per-head query RMSNorm scale (`qk_norm`), or None.
+        k_norm: the per-head key RMSNorm scale (`qk_norm`), or None.
+        bq: the query bias (`qkv_bias`), or None.
+        bk: the key bias (`qkv_bias`), or None.
+        bv: the value bias (`qkv_bias`), or None.
+    """
 
     attn_norm: Array
     wq: Array | LoRAWeight  # a projection may carry a LoRA adapter (`add_lora`)

@@ -38,13 +38,21 @@ from ._sharding import _place, leaf_name, param_partition_specs
 Array = jax.Array
 
 TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+"""The projections LoRA may adapt: attention (`wq`, `wk`, `wv`, `wo`) and MLP (`w_gate`, `w_up`, `w_down`)."""
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
     """`rank` r, `alpha` (the update is scaled by alpha / r), the projections to adapt (any of
-    `TARGETS`: attention `wq wk wv wo`, MLP `w_gate w_up w_down`) and input `dropout`."""
+    `TARGETS`: attention `wq wk wv wo`, MLP `w_gate w_up w_down`) and input `dropout`.
+
+    Attributes:
+        rank: r, the adapters' rank.
+        alpha: the update is scaled by alpha / rank.
+        targets: the projections that get adapters (names of `TARGETS`).
+        dropout: dropout on the adapters' input while training.
+    """
 
     rank: int = 8
     alpha: float = 16.0
@@ -69,6 +77,7 @@ class LoRAConfig:
         return self.alpha / self.rank
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as a plain dict, as checkpoints store it."""
         return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets), "dropout": self.dropout}
 
     @classmethod
@@ -79,7 +88,16 @@ class LoRAConfig:
 
 
 class LoRAWeight(eqx.Module):
-    """A frozen matrix `base [.., in, out]` with its adapter `lora_a [.., in, r]`, `lora_b [.., r, out]`."""
+    """A frozen matrix `base [.., in, out]` with its adapter `lora_a [.., in, r]`, `lora_b [.., r, out]`.
+
+    Attributes:
+        base: the frozen matrix `[.., in, out]`.
+        lora_a: the adapter's down projection `[.., in, r]`.
+        lora_b: the adapter's up projection `[.., r, out]` (zero at start).
+        scale: alpha / rank (static).
+        dropout: input dropout while training (static).
+        dropout_key: the dropout key, set inside a training loss only.
+    """
 
     base: Array
     lora_a: Array
@@ -112,6 +130,7 @@ def _is_lora(x: Any) -> bool:
 
 
 def has_adapters(model: Any) -> bool:
+    """Whether any weight of `model` is a `LoRAWeight`."""
     return any(_is_lora(x) for x in jax.tree_util.tree_leaves(model, is_leaf=_is_lora))
 
 
@@ -119,7 +138,21 @@ def add_lora(model: Any, config: LoRAConfig, *, key: Array) -> Any:
     """`model` with each target projection of its layers wrapped in a `LoRAWeight`: `A` drawn
     uniform in ±1/sqrt(in) (PEFT's default), `B` zero. On a mesh (the base's arrays sharded),
     the adapters are placed by `param_partition_specs`. A model that already has adapters is
-    refused: merge them first."""
+    refused: merge them first.
+
+    Example:
+        ```python
+        import jax
+        from bd_models import BlockDiffusionLM, LoRAConfig, ModelConfig, add_lora, count_params, merge
+
+        config = ModelConfig(vocab_size=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=256,
+                             block_size=4)
+        model = add_lora(BlockDiffusionLM(config, key=jax.random.key(0)), LoRAConfig(rank=4), key=jax.random.key(1))
+        counts = count_params(model)
+        assert counts["trained"] < counts["total"]  # only the adapters train
+        plain = merge(model)  # a BlockDiffusionLM without adapters, the same logits
+        ```
+    """
     if has_adapters(model):
         raise ValueError("add_lora: the model already has adapters; merge(model) them first, or use base_model(model)")
     layers = model.layers

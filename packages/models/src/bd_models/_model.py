@@ -66,7 +66,28 @@ def _heads_first(q_BxTxKxGxE, k_BxTxKxE, v_BxTxKxE):
 
 
 class BlockDiffusionLM(eqx.Module):
-    """The block-diffusion decoder: bidirectional inside a block, causal across blocks."""
+    """The block-diffusion decoder: bidirectional inside a block, causal across blocks.
+
+    Call it on a `bd_core.ViewLayout` (`model(layout)`) for logits `[B, T, V]`; `forward_cached`
+    is the sampler's incremental path under the same attention rule.
+
+    Example:
+        ```python
+        import jax
+        from bd_models import BlockDiffusionLM, ModelConfig
+
+        config = ModelConfig(vocab_size=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=256,
+                             block_size=4)
+        model = BlockDiffusionLM(config, key=jax.random.key(0))
+        ```
+
+    Attributes:
+        config: the architecture.
+        embedding: the token embedding `[V, D]`.
+        layers: the decoder layers, stacked along a leading `[L]` axis.
+        final_norm: the RMSNorm scale before the head.
+        lm_head: the output head `[D, V]`, or None when tied to the embedding.
+    """
 
     config: ModelConfig = eqx.field(static=True)
     embedding: jax.Array
@@ -99,6 +120,7 @@ class BlockDiffusionLM(eqx.Module):
         return model
 
     def embed(self, tokens: Int[ArrayLike, "B T"]) -> Float[Array, "B T D"]:
+        """The input embeddings of `tokens`, in the compute dtype."""
         return rows(jnp.take(self.embedding, tokens, axis=0).astype(self.config.compute_jnp_dtype))
 
     def __call__(self, layout: ViewLayout) -> Float[Array, "B T V"]:

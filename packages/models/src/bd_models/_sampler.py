@@ -35,6 +35,7 @@ def _layout(tokens, positions, block_ids, view_id: int, valid) -> ViewLayout:
 
 
 def concat_layouts(*layouts: ViewLayout) -> ViewLayout:
+    """The views of several `ViewLayout`s packed side by side along the token axis."""
     return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs, axis=1), *layouts)
 
 
@@ -56,12 +57,16 @@ class RecomputeModel(eqx.Module):
         return self.model.config
 
     def init_cache(self, batch_size: int, max_len: int) -> _Canvas:
+        """An empty canvas for up to `max_len` positions (the recompute model's stand-in for a KV cache)."""
         return _Canvas(jnp.zeros((batch_size, max_len), jnp.int32), jnp.zeros((batch_size, max_len), bool))
 
     def layer_list(self) -> None:
+        """None: the recompute model has no layers to split."""
         return None
 
     def forward_cached(self, chunk: ViewLayout, cache: _Canvas, *, commit=None, layers=None):
+        """Logits of `chunk`, recomputed over the whole clean canvas with no cache; then the `commit`-flagged tokens
+        join the canvas."""
         batch, length = cache.tokens.shape
         positions = jnp.arange(length, dtype=jnp.int32)
         clean = _layout(cache.tokens, positions, positions // self.config.block_size, CLEAN_VIEW, cache.valid)
@@ -217,6 +222,35 @@ def sample(
     `use_cache=False` reruns the whole canvas every step (the reference and speed baseline).
     The trace's `block_ids` are canvas blocks (`position // block_size`); `nfe[r]` counts the
     forward passes in which row r took part (prefill included).
+
+    Args:
+        model: a `BlockDiffusionLM` (or anything with its `forward_cached`).
+        prompts: `(tokens [B, P], valid [B, P])`, left-padded (`bd_data.prompt_dataset` makes them).
+        config: lengths, ids, the sampling distribution and the commit strategy.
+        key: the sampling key.
+        use_cache: False recomputes the whole canvas every step.
+
+    Returns:
+        The completions, their trace (what committed at every step, with its log-probabilities) and
+        the NFE per row.
+
+    Example:
+        ```python
+        import jax
+        from bd_data import ByteTokenizer, CanvasConfig, get_task, iterate, prompt_dataset
+        from bd_models import (BlockDiffusionLM, ModelConfig, SamplerConfig, SamplingDistribution,
+                               decode_completions, sample)
+
+        task, tok = get_task("argsort", length=6), ByteTokenizer()
+        canvas = CanvasConfig(prompt_len=8, max_new_tokens=8, block_size=4)
+        model = BlockDiffusionLM(ModelConfig(vocab_size=tok.vocab_size, d_model=64, n_layers=2, n_heads=4,
+                                             n_kv_heads=4, d_ff=256, block_size=4), key=jax.random.key(0))
+        greedy = SamplerConfig(block_size=4, max_new_tokens=8, mask_id=tok.mask_id, pad_id=tok.pad_id,
+                               distribution=SamplingDistribution(temperature=0.0), stop_ids=(tok.eos_id,))
+        prompts = next(iterate(prompt_dataset(task.dataset("eval"), tok, canvas, seed=0, batch_size=4)))
+        rollout = sample(model, (prompts.tokens, prompts.valid), greedy, key=jax.random.key(1))
+        texts = decode_completions(tok, rollout, stop_ids=(tok.eos_id,))  # an untrained model's 4 texts
+        ```
     """
     prompt_tokens, prompt_valid = (jnp.asarray(prompts[0], jnp.int32), jnp.asarray(prompts[1], bool))
     if prompt_tokens.ndim != 2 or prompt_valid.shape != prompt_tokens.shape:

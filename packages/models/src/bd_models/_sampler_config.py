@@ -62,6 +62,19 @@ class SamplerConfig(eqx.Module):
     knobs. Like the distribution's, `threshold` holds the value as given (a float64 numpy scalar,
     float32 under jit), so `to_dict` returns exactly the configured number. `to_dict`,
     `check_vocab`, `replace` and hashing read the leaves, so they run outside jit.
+
+    Attributes:
+        block_size: b, tokens per block.
+        max_new_tokens: N, completion tokens (a multiple of `block_size`).
+        mask_id: the token that marks a masked position.
+        pad_id: the padding token.
+        distribution: what is sampled at a position (temperature, top-k, top-p).
+        strategy: which positions commit per step: `threshold`, `steps` or `random`.
+        threshold: τ, the confidence at which `threshold` commits a position (a traced leaf).
+        steps_per_block: denoising steps per block for `steps` and `random`.
+        max_steps_per_block: the cap on `threshold`'s steps per block.
+        confidence: `probability`, `margin` or `entropy`.
+        stop_ids: tokens after whose block a row stops.
     """
 
     block_size: int = eqx.field(static=True)

@@ -40,6 +40,13 @@ class SamplingDistribution(eqx.Module):
     The leaves hold the values as given (float64/int64 numpy), so `to_dict` (and the fingerprints
     built from it) read back exactly what was configured; every computation casts them to
     float32/int32, and under jit they arrive as float32/int32.
+
+    Attributes:
+        temperature: divides the logits (0: greedy).
+        top_k: keep the k most likely tokens (None: off).
+        top_p: keep the smallest set with this mass (None: off).
+        greedy: whether the temperature is 0 (structure, static).
+        banned_ids: tokens never sampled (static).
     """
 
     temperature: Float[Array | np.ndarray, ""]
@@ -162,6 +169,7 @@ def gumbel_max(key: PRNGKeyArray, logp: Float[Array, "*batch V"]) -> Int[Array, 
 
 
 def token_logprob(logp: Float[Array, "*batch V"], tokens: Int[Array, "*batch"]) -> Float[Array, "*batch"]:
+    """The log-probability of each token under the log-probabilities `logp` over the vocabulary."""
     return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 

@@ -142,6 +142,7 @@ def init_sharded(make: Callable[[], eqx.Module], mesh: Mesh) -> eqx.Module:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """The sharding of a batch's leading axis over the mesh's data axes (`data`, `fsdp`)."""
     return NamedSharding(mesh, P(BATCH_AXES))
 
 

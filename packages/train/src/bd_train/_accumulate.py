@@ -41,6 +41,7 @@ class Accumulated(eqx.Module):
 
     @classmethod
     def zeros(cls, params: Any, like: LossOutput | None = None) -> Accumulated:
+        """Zero gradients shaped like `params` and zero metrics shaped like `like`: the start of an accumulation."""
         zero = jnp.zeros((), jnp.float32)
         if like is None:
             return cls(zeros_like_grads(params), WeightedMetric(zero, zero), jnp.zeros((), jnp.int32), None)

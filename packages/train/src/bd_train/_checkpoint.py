@@ -279,6 +279,7 @@ class Checkpointer:
         return steps
 
     def latest_step(self) -> int | None:
+        """The newest complete step, or None when there is none."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
@@ -294,6 +295,7 @@ class Checkpointer:
         return step
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        """The metadata saved with `step` (the latest by default): fingerprints, history, config."""
         step = self._resolve(step)
         return dict(self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore()), "its metadata")["meta"])
 
@@ -344,6 +346,7 @@ class Checkpointer:
                                       f"differs from what was saved; the files are corrupted. {self._recovery(step)}")
 
     def fingerprints(self, step: int | None = None) -> dict[str, Fingerprint]:
+        """The fingerprints saved with `step` (the latest by default), by name."""
         return {name: Fingerprint.from_json(record) for name, record in self.read_meta(step)["fingerprints"].items()}
 
     # -- save ----------------------------------------------------------------------------------------
@@ -405,6 +408,7 @@ class Checkpointer:
                 f"{self.latest_step()}. Check the disk (space, permissions) and continue from that step") from err
 
     def close(self) -> None:
+        """Wait for pending saves, then close the manager."""
         try:
             self.wait()
         finally:

@@ -34,11 +34,17 @@ import jax
 from ._coordinator import ServiceHost
 
 COORDINATOR_ENV = "BDLM_COORDINATOR_ADDRESS"
+"""The environment variable with the coordinator's `host:port` (process 0 listens there)."""
 NUM_PROCESSES_ENV = "BDLM_NUM_PROCESSES"
+"""The environment variable with the number of processes in the group."""
 PROCESS_ID_ENV = "BDLM_PROCESS_ID"
+"""The environment variable with this process's index in the group (0 is the coordinator)."""
 LOST_AFTER_ENV = "BDLM_LOST_AFTER_S"
+"""The environment variable with the seconds after which a silent process counts as lost (default 60)."""
 LOST_AFTER_S = 60.0
 EXIT_LOST = 75  # EX_TEMPFAIL: the run can be resumed
+"""The exit code of a process that stops because another was lost or the loop stalled (75, EX_TEMPFAIL): rerun or resume
+to continue."""
 
 
 class DistributedError(RuntimeError):
@@ -47,7 +53,13 @@ class DistributedError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class ProcessGroup:
-    """Where this process stands: the coordinator, how many processes join it, and which one this is."""
+    """Where this process stands: the coordinator, how many processes join it, and which one this is.
+
+    Attributes:
+        coordinator_address: `host:port` of process 0's coordination service (None: one process).
+        num_processes: processes in the group.
+        process_id: this process's index (0 is the coordinator).
+    """
 
     coordinator_address: str | None
     num_processes: int
@@ -55,6 +67,7 @@ class ProcessGroup:
 
     @classmethod
     def single(cls) -> ProcessGroup:
+        """The group of one process (no coordinator)."""
         return cls(None, 1, 0)
 
     @classmethod
@@ -112,7 +125,17 @@ def initialize(group: ProcessGroup | None = None, *, cpu_devices: int | None = N
     computation. `cpu_devices` sets the number of local CPU devices (virtual ones for local runs);
     CPU collectives go through gloo. A single-process group only applies `cpu_devices`.
     `lost_after_s` (default `BDLM_LOST_AFTER_S`, else 60): how long a silent process is waited for
-    before the others stop (see the module docstring)."""
+    before the others stop (see the module docstring).
+
+    Example:
+        ```py
+        from bd_train import distributed
+
+        group = distributed.initialize()  # BDLM_* variables, or what a TPU VM, SLURM or Kubernetes sets
+        ...  # meshes now span every process's devices; every process runs the same stage
+        distributed.shutdown()
+        ```
+    """
     group = ProcessGroup.from_env() if group is None else group
     if not 0 <= group.process_id < group.num_processes:
         raise DistributedError(f"process_id {group.process_id} is outside 0..{group.num_processes - 1}; "

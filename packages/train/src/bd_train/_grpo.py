@@ -30,7 +30,18 @@ class GRPOConfig:
     with per-token gradients). `aggregation`: `token-mean` (Σ over all tokens / tokens),
     `seq-mean-token-mean` (mean over sequences of per-sequence token means) or
     `seq-mean-token-sum-norm` (Dr. GRPO: per-sequence token sums / `norm_length`, mean over
-    sequences). `beta` weighs the k3 KL to the reference policy."""
+    sequences). `beta` weighs the k3 KL to the reference policy.
+
+    Attributes:
+        advantage: `grpo`, `drgrpo` or `rloo`.
+        ratio: `token` or `gspo-token` (see above).
+        aggregation: how token losses combine (see above).
+        epsilon_low: the ratio's lower clip, 1 − epsilon_low.
+        epsilon_high: the ratio's upper clip, 1 + epsilon_high.
+        beta: weight of the k3 KL to the reference policy (0: off).
+        norm_length: the fixed length of `seq-mean-token-sum-norm` (default: the completion length).
+        advantage_eps: added to the group's standard deviation before dividing.
+    """
 
     advantage: Advantage = "grpo"
     ratio: Literal["token", "gspo-token"] = "token"
@@ -155,7 +166,14 @@ def grpo_objective(new_logp: Float[Array, "B T"], old_logp: Float[ArrayLike, "B 
 @dataclasses.dataclass(frozen=True)
 class GRPOBatch:
     """A replay batch (weights > 0 mark the committed action tokens) with the rollout's recorded
-    log-probs `[B, T]`, per-row advantages `[B]` and, optionally, reference log-probs `[B, T]`."""
+    log-probs `[B, T]`, per-row advantages `[B]` and, optionally, reference log-probs `[B, T]`.
+
+    Attributes:
+        batch: the replay batch; weights > 0 mark the action tokens.
+        old_logp: `[B, T]` the rollout's recorded log-probabilities.
+        advantages: `[B]` each row's advantage.
+        ref_logp: `[B, T]` the reference policy's log-probabilities (for `beta`), or None.
+    """
 
     batch: DiffusionTokenBatch
     old_logp: Array

@@ -89,6 +89,12 @@ def run_updates(state: TrainState, num_steps: int, update: Callable[[TrainState]
 
 @dataclasses.dataclass
 class LoopResult:
+    """What `train_loop` returns.
+
+    Attributes:
+        state: the final train state.
+        history: the logged metrics, one dict per logged step.
+        preempted: True when a SIGTERM stopped the loop after saving."""
     state: TrainState
     history: list[dict[str, float]]
     preempted: bool

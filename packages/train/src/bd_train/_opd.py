@@ -25,7 +25,14 @@ from ._sft import token_cross_entropy
 class OPDConfig:
     """`temperature` softens both distributions (the KL is scaled by T² so gradients keep their
     size); `hard_ce_weight` adds CE to the batch targets; `positions` picks `committed` tokens
-    (weights > 0) or every `masked` position of a noisy view (needs `mask_id`)."""
+    (weights > 0) or every `masked` position of a noisy view (needs `mask_id`).
+
+    Attributes:
+        temperature: softens both distributions; the KL is scaled by T².
+        hard_ce_weight: weight of the cross-entropy to the batch targets (0: off).
+        positions: `committed` tokens, or every `masked` position of a noisy view.
+        mask_id: the mask token (needed with `masked`).
+    """
 
     temperature: float = 1.0
     hard_ce_weight: float = 0.0

@@ -23,6 +23,20 @@ class OptimizerConfig:
 
     The schedule warms up linearly from 0 over `warmup_steps`, then holds (`constant`) or decays
     (`cosine`, `linear`) to `learning_rate * end_lr_ratio` at `total_steps`.
+
+    Attributes:
+        learning_rate: the peak learning rate.
+        schedule: `constant`, `cosine` or `linear` after warmup.
+        warmup_steps: steps of linear warmup from 0.
+        total_steps: the updates the schedule decays over (required unless `constant`).
+        end_lr_ratio: the decayed learning rate as a fraction of the peak.
+        b1: Adam's first-moment decay.
+        b2: Adam's second-moment decay.
+        eps: Adam's epsilon.
+        weight_decay: decoupled weight decay.
+        max_grad_norm: global-norm clipping (None: off).
+        mu_dtype: the dtype of Adam's first moment (None: the parameters').
+        inject_hyperparams: keep the learning rate in the optimizer state, so it can be read and changed.
     """
 
     learning_rate: float = 3e-4
@@ -73,6 +87,8 @@ class OptimizerConfig:
                 fail("mu_dtype", "a dtype name", "use e.g. 'bfloat16', 'float32' or None")
 
     def learning_rate_schedule(self) -> optax.Schedule:
+        """The learning rate per step: linear warmup, then constant, cosine or linear decay to `end_lr_ratio` of the
+        peak."""
         peak = self.learning_rate
         if self.schedule == "constant":
             after: Any = optax.constant_schedule(peak)

@@ -44,7 +44,26 @@ COSTS = ("all", "train step", "none")  # which programs a plan costs (`stage_pro
 class ProgramPlan:
     """One compiled program, per chip: bytes of its arguments (of which `params` are model
     weights and `optimizer` optimizer state), outputs, aliased buffers, temporaries and generated
-    code; the compiler's FLOPs and estimated seconds; the model's matmul FLOPs (train steps)."""
+    code; the compiler's FLOPs and estimated seconds; the model's matmul FLOPs (train steps).
+
+    Attributes:
+        stage: the stage the program belongs to.
+        program: which program (`train step`, `rollout`, ...).
+        argument: bytes of its arguments per chip.
+        output: bytes of its outputs per chip.
+        alias: bytes of outputs that reuse argument buffers.
+        temp: bytes of temporaries per chip.
+        code: bytes of generated code.
+        params: bytes of model weights among the arguments.
+        optimizer: bytes of optimizer state among the arguments.
+        flops: the compiler's FLOPs per chip.
+        bytes_accessed: the compiler's bytes accessed per chip.
+        seconds: the estimated seconds, or None.
+        seconds_from: `xla` (the compiler's estimate) or `roofline` (max of FLOPs / peak, bytes / bandwidth).
+        model_flops: the model's matmul FLOPs (train steps), for MFU.
+        refused: the TPU compiler's out-of-memory message, when the program cannot run there.
+        kernel_flops: FLOPs of splash kernels, which XLA's cost analysis cannot see into.
+    """
 
     stage: str
     program: str

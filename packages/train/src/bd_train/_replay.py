@@ -24,7 +24,13 @@ from bd_models import to_host
 @dataclasses.dataclass(frozen=True)
 class ReplayBatch:
     """A replay `batch` with the rollout's `recorded_logprobs` `[B, T]` (0 off-target) and, per view,
-    the trace step it replays (`step_index` `[B, W]`, -1 for padding views)."""
+    the trace step it replays (`step_index` `[B, W]`, -1 for padding views).
+
+    Attributes:
+        batch: the packed replay views.
+        recorded_logprobs: `[B, T]` the trace's log-probabilities (0 off-target).
+        step_index: `[B, W]` the trace step each view replays (-1: padding).
+    """
 
     batch: DiffusionTokenBatch
     recorded_logprobs: Array

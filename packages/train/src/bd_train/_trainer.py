@@ -33,7 +33,13 @@ class NonFiniteError(RuntimeError):
 class TrainerConfig:
     """`microbatches`: k, scanned inside one program per call. `streaming`: keep an accumulator in
     the state so calls with `is_update_step=False` add to the next update. A run stops after
-    `max_consecutive_nonfinite` skipped non-finite updates in a row."""
+    `max_consecutive_nonfinite` skipped non-finite updates in a row.
+
+    Attributes:
+        microbatches: parts each batch is split into, accumulated exactly in one program.
+        streaming: keep an accumulator in the state across calls (`is_update_step=False`).
+        max_consecutive_nonfinite: skipped non-finite updates in a row before `NonFiniteError`.
+    """
 
     microbatches: int = 1
     streaming: bool = False
@@ -50,7 +56,18 @@ class TrainState(eqx.Module):
     """`step` counts update steps taken (applied or skipped); `key` is fixed and folded with the
     step and microbatch index, so a restored run draws the same keys as an uninterrupted one.
     The optimizer is a static field: a state knows how it is updated, and making one (or its
-    restore target, `eqx.filter_eval_shape(TrainState.init, ...)`) needs no trainer."""
+    restore target, `eqx.filter_eval_shape(TrainState.init, ...)`) needs no trainer.
+
+    Attributes:
+        step: update steps taken (applied or skipped).
+        model: the model (with LoRA adapters, the adapters are what trains).
+        opt_state: the optimizer's state.
+        key: the base key, folded with the step and microbatch index.
+        nonfinite_total: updates skipped for a non-finite loss or gradient.
+        nonfinite_streak: such skips in a row.
+        accumulator: the streaming accumulator, or None.
+        optimizer: the optax transformation (static).
+    """
 
     step: jax.Array
     model: Any
@@ -99,6 +116,25 @@ class Trainer:
     `reduce_metrics`: on an update step the loss and aux metrics cover every microbatch of the
     update, on a streaming call with `is_update_step=False` those of the call. Updates
     apply the state's own optimizer; the trainer's is the one `init` puts in new states.
+
+    Example:
+        ```python
+        import jax
+        from bd_data import ByteTokenizer, CanvasConfig, CorruptionConfig, get_task, iterate, sft_dataset
+        from bd_models import BlockDiffusionLM, ModelConfig
+        from bd_train import OptimizerConfig, Trainer, TrainerConfig, make_optimizer, sft_objective
+
+        task, tok = get_task("argsort", length=6), ByteTokenizer()
+        canvas = CanvasConfig(prompt_len=8, max_new_tokens=8, block_size=4)
+        batches = iterate(sft_dataset(task.dataset("train"), tok, canvas, CorruptionConfig(), seed=0, batch_size=64))
+        model = BlockDiffusionLM(ModelConfig(vocab_size=tok.vocab_size, d_model=64, n_layers=2, n_heads=4,
+                                             n_kv_heads=4, d_ff=256, block_size=4), key=jax.random.key(0))
+        trainer = Trainer(sft_objective, make_optimizer(OptimizerConfig(learning_rate=3e-3)),
+                          TrainerConfig(microbatches=2))
+        state = trainer.init(model, key=jax.random.key(2))
+        for _ in range(3):
+            state, metrics = trainer.step(state, next(batches))  # metrics["loss"]: the whole batch's
+        ```
     """
 
     def __init__(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, config: TrainerConfig | None = None):
@@ -125,10 +161,13 @@ class Trainer:
     # -- train -------------------------------------------------------------------------------------
 
     def step(self, state: TrainState, batch: Any, *, is_update_step: bool = True) -> tuple[TrainState, dict]:
+        """One update (or, with `is_update_step=False`, gradients accumulated without updating) on `batch`, split into
+        `config.microbatches` parts; returns the new state and the whole batch's metrics."""
         return self._run(state, batch, is_update_step, presplit=False)
 
     def step_microbatches(self, state: TrainState, microbatches: Any, *,
                           is_update_step: bool = True) -> tuple[TrainState, dict]:
+        """`step` on a batch already split into microbatches (a sequence of them)."""
         return self._run(state, microbatches, is_update_step, presplit=True)
 
     def lower(self, state: TrainState, batch: Any, *, is_update_step: bool = True) -> jax.stages.Lowered:
@@ -237,4 +276,5 @@ class Trainer:
         return reduce_metrics(buffer)
 
     def eval_step(self, model: Any, batch: Any, *, key: jax.Array) -> dict[str, jax.Array]:
+        """The objective's metrics on one batch, without gradients."""
         return self.evaluate(model, [batch], key=key)

@@ -28,7 +28,9 @@ from pathlib import Path
 import jax
 
 STALL_FACTOR_ENV = "BDLM_STALL_FACTOR"
+"""The environment variable that overrides `[run] stall_factor` (0 turns the watchdog off)."""
 STALL_FLOOR_ENV = "BDLM_STALL_FLOOR_S"
+"""The environment variable that overrides `[run] stall_floor_s`."""
 STALLED_KEY = "bdlm/stalled"
 # Where a loop can be, in the order one update passes through them (`_RANK`): an update that
 # begun after step s, its programs dispatched, done at step s', then saving s'.
@@ -74,6 +76,7 @@ class StallPolicy:
         return cls(**values)
 
     def allowance(self, median_s: float) -> float:
+        """Seconds without progress before a stall: max(factor × `median_s`, floor)."""
         return max(self.factor * median_s, self.floor_s)
 
 
@@ -100,11 +103,13 @@ class Watchdog(threading.Thread):
                 self.done_at.append(now)
 
     def median(self) -> float:
+        """The median seconds between completed updates so far (0 before two)."""
         with self.lock:
             gaps = [b - a for a, b in zip(self.done_at, self.done_at[1:])]
         return statistics.median(gaps) if gaps else 0.0
 
     def run(self) -> None:
+        """The watchdog thread's loop: publish progress, compare with the others', and stop every process on a stall."""
         seen: dict[int, tuple[str | None, float]] = {}
         published = None
         while not self.finished.wait(self.interval):
@@ -194,6 +199,7 @@ class Watchdog(threading.Thread):
         os._exit(EXIT_LOST)
 
     def close(self) -> None:
+        """Stop the watchdog thread."""
         self.finished.set()
 
 

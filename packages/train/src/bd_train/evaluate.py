@@ -40,6 +40,7 @@ from .stages._run import Run, StageError
 __all__ = ["THRESHOLDS", "evaluate", "format_report", "load", "main", "pass_at_k"]
 
 THRESHOLDS = (0.5, 0.7, 0.9, 0.95)
+"""The confidence thresholds of the accuracy-against-NFE curve (then one token per step)."""
 
 
 def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = None,
@@ -85,7 +86,16 @@ def _overridden(config: dict, task: str | None, n: int | None) -> dict:
 def evaluate(checkpoint: str | Path, *, task: str | None = None, samples: int = 4, n: int | None = None,
              thresholds: tuple[float, ...] = THRESHOLDS, seed: int = 0, config: str | None = None) -> dict[str, Any]:
     """Every number of the module docstring for one checkpoint, as plain values (JSON-ready).
-    `config`: a preset's TOML text, needed for a Hugging Face folder."""
+    `config`: a preset's TOML text, needed for a Hugging Face folder.
+
+    Example:
+        ```py
+        from bd_train.evaluate import evaluate, format_report
+
+        report = evaluate("runs/pipeline/<run-id>/checkpoints/grpo", samples=8)
+        print(format_report(report))
+        ```
+    """
     run, model = load(checkpoint, task=task, n=n, config=config)
     result = evaluate_report(model, run, key=jax.random.key(seed), samples=samples, thresholds=thresholds,
                              timed=True)
@@ -101,6 +111,7 @@ def evaluate(checkpoint: str | Path, *, task: str | None = None, samples: int = 
 
 
 def format_report(report: dict[str, Any]) -> str:
+    """The report of `evaluate` as the text the command prints."""
     greedy, intervals = report["greedy"], report["intervals"]
 
     def bounds(key: str) -> str:
@@ -118,6 +129,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: `python -m bd_train.evaluate --checkpoint ...`; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m bd_train.evaluate", description=__doc__.splitlines()[0]
                                      if __doc__ else None)
     parser.add_argument("--checkpoint", required=True,

@@ -38,11 +38,22 @@ from ._plan_programs import COSTS, ProgramPlan, compile_program, stage_programs
 from ._plan_shapes import shapes_run
 from ._tpu import GiB, Topology, TopologyError, topology
 
+__all__ = ["Plan", "ProgramPlan", "StagePlan", "compile_program", "format_plan", "largest_batch", "main", "plan",
+           "stage_programs"]
+
 STAGES = ("sft", "opd", "grpo")
 
 
 @dataclasses.dataclass
 class StagePlan:
+    """The plan of one stage: its programs and whether they fit the chip.
+
+    Attributes:
+        stage: the stage's name (`sft-teacher`, `sft-student`, `opd`, `grpo`).
+        programs: one plan per compiled program.
+        hbm: the chip's HBM bytes.
+        remedy: for a stage that does not fit, the first single change that fits.
+        planned_with: for a batch the mesh cannot split, the change it was planned with."""
     stage: str
     programs: list[ProgramPlan]
     hbm: int
@@ -60,6 +71,17 @@ class StagePlan:
 
 @dataclasses.dataclass
 class Plan:
+    """A preset's plan on a TPU topology; `format_plan` prints it, `to_json` writes it.
+
+    Attributes:
+        preset: the preset's name.
+        topology: the topology, e.g. `v5e:2x4`.
+        mesh: the mesh's axis sizes.
+        chips: chips in the slice(s).
+        hosts: hosts in the slice(s).
+        hbm: HBM bytes per chip.
+        peak_flops: the chip's bfloat16 peak, FLOP/s.
+        stages: one plan per stage."""
     preset: str
     topology: str
     mesh: dict[str, int]
@@ -70,6 +92,7 @@ class Plan:
     stages: list[StagePlan]
 
     def to_json(self) -> dict[str, Any]:
+        """The plan as JSON-ready values (`--json` writes them)."""
         return {"preset": self.preset, "topology": self.topology, "mesh": self.mesh, "chips": self.chips,
                 "hosts": self.hosts, "hbm": self.hbm, "peak_flops": self.peak_flops,
                 "stages": [{"stage": s.stage, "fits": s.fits, "peak": s.peak, "remedy": s.remedy,
@@ -197,7 +220,17 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
     are costed (`COSTS`: "train step" skips the unrolled twins of every other program, the slow
     part of a plan). `memo`, kept across
     calls, lets plans of several presets share what they compiled for the same slice (the same
-    teacher, say)."""
+    teacher, say).
+
+    Example:
+        ```py
+        import tomllib
+        from bd_train.plan import format_plan, plan
+
+        preset = tomllib.loads(open("flows/configs/sdar_1p7b.toml").read())
+        print(format_plan(plan(preset, "v5e:2x4", name="sdar_1p7b")))  # needs libtpu: `make plan-env`
+        ```
+    """
     from .stages._config import parse_pipeline_config, pipeline_config
 
     data = _with_attention(data, attention)
@@ -308,6 +341,8 @@ def largest_batch(data: dict, stage: str, topology_name: str, *, mesh: dict[str,
 
 
 def format_plan(result: Plan) -> str:
+    """The plan as a markdown table per chip (memory by kind, % of HBM, TFLOP, estimated seconds and MFU) with each
+    stage's verdict."""
     def gib(n: float) -> str:
         return f"{n / GiB:.2f}"
 
@@ -359,6 +394,7 @@ def _mesh_arg(text: str) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: `python -m bd_train.plan PRESET --topology ...`; returns the exit code."""
     # Programs compiled for a slice that is not here are never run here: no persistent cache.
     jax.config.update("jax_enable_compilation_cache", False)
     parser = argparse.ArgumentParser(prog="python -m bd_train.plan", description=(__doc__ or "").splitlines()[0])

@@ -47,7 +47,22 @@ def _nonneg(**values: float | int) -> None:
 class TaskSection:
     """A built-in task (`name` + `params`) or the user's JSONL files (`train_jsonl`, `eval_jsonl`);
     `chat_template` renders every prompt as a user turn of a chat template (`true`: the
-    tokenizer's own; or a Jinja file's path)."""
+    tokenizer's own; or a Jinja file's path).
+
+    Attributes:
+        name: a built-in task (`sort`, `argsort`, `addition`, `addition_lsd`, `countdown`, `mini_sudoku`,
+            `chain_sum`, `math`), ignored with JSONL files.
+        params: the task's own parameters, e.g. `{ length = 6 }` for argsort or `{ max_numbers = 3 }` for countdown
+            (`bd_data.get_task`).
+        seed: the seed the task draws its problems from; a different seed gives different train and eval problems
+            (`[run] seed` seeds everything else).
+        train_jsonl: a JSONL file of `{"prompt": ..., "completion": ...}` objects to train on (with `eval_jsonl`).
+        eval_jsonl: the held-out JSONL file every stage evaluates on (with `train_jsonl`).
+        overlong: what to do with an example longer than the canvas: `error` stops naming it, `truncate` cuts it to
+            fit, `skip` drops it.
+        chat_template: render every prompt as a user turn of a chat template: `true` for the tokenizer's own, a
+            Jinja file's path, or `false`.
+    """
 
     name: str = "argsort"
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -81,7 +96,18 @@ class TokenizerSection:
     model) the checkpoint's own `tokenizer.json`. `mask_token` / `eos_token` default to those its
     `tokenizer_config.json` names, else `<|mask|>` / `<|endoftext|>`; `add_mask_token` adds a
     mask token the tokenizer lacks (an autoregressive checkpoint's), growing the embedding by a row
-    initialized to the mean of the others."""
+    initialized to the mean of the others.
+
+    Attributes:
+        path: a local `tokenizer.json` (Hugging Face `tokenizers`); unset: the byte tokenizer, or a pretrained
+            model's own.
+        mask_token: the token that marks a masked position (default: the one `tokenizer_config.json` names, else
+            `<|mask|>`).
+        eos_token: the token that ends a completion (default: the one `tokenizer_config.json` names, else
+            `<|endoftext|>`).
+        add_mask_token: add a mask token the tokenizer lacks, growing the embedding by a row initialized to the mean
+            of the others.
+    """
 
     path: str | None = None
     mask_token: str | None = None
@@ -99,7 +125,15 @@ class LoRASection:
     """LoRA adapters instead of full fine-tuning in the named `stages` (`bd_models.LoRAConfig`):
     each such stage freezes the model it starts from and trains fresh adapters on it (rank,
     alpha, the projections in `targets`, input `dropout` in SFT only); its checkpoints hold the
-    adapters only, and the next stage starts from the merged model."""
+    adapters only, and the next stage starts from the merged model.
+
+    Attributes:
+        rank: the adapters' rank r.
+        alpha: the scale numerator: an adapter's update is multiplied by alpha / rank.
+        targets: the projections that get adapters (`wq`, `wk`, `wv`, `wo`, `w_gate`, `w_up`, `w_down`).
+        dropout: dropout on the adapters' input, in SFT only (0: none).
+        stages: the stages that train adapters instead of every weight.
+    """
 
     rank: int = 8
     alpha: float = 16.0
@@ -125,7 +159,26 @@ class LoRASection:
 class ModelSection:
     """Architecture sizes; vocab and block size come from the tokenizer and canvas. `pretrained`
     starts from a Hugging Face checkpoint folder instead (config.json + safetensors: Qwen3, SDAR,
-    Qwen2, Fast-dLLM v2, Llama), whose config sets the architecture (the sizes here are unused)."""
+    Qwen2, Fast-dLLM v2, Llama), whose config sets the architecture (the sizes here are unused).
+
+    Attributes:
+        d_model: the width D.
+        n_layers: the number of decoder layers.
+        n_heads: query heads.
+        n_kv_heads: key/value heads (grouped-query attention); unset: `n_heads`.
+        d_ff: the SwiGLU MLP's hidden width; unset: 4 × `d_model`.
+        attention: the attention implementation: `dense`, `blocked` (only the tiles the mask allows), `shard_map`,
+            `pallas` (GPU kernels) or `splash` (TPU kernels).
+        param_dtype: the dtype weights are stored and updated in.
+        compute_dtype: the dtype of the forward pass's matmuls.
+        remat: what the backward pass recomputes per layer: `elementwise` (cheap element-wise ops), `none`, `full`
+            (the whole layer) or `save_matmuls`.
+        checkpoint: an SFT stage's checkpoint folder to adopt instead of training this role.
+        pretrained: start from a Hugging Face checkpoint: a local folder, or a Hub repo id (`"org/name"`); its
+            config sets the architecture.
+        revision: with a Hub repo id: the branch, tag or commit (default `main`), pinned by its commit.
+        lora: train LoRA adapters instead of every weight, in `lora.stages`.
+    """
 
     d_model: int = 64
     n_layers: int = 2
@@ -188,7 +241,14 @@ class ModelSection:
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
     """The training mesh over every process's devices: `data` x `fsdp` x `model` devices in all,
-    spread over `num_nodes` processes (Metaflow `@parallel` nodes, one per host)."""
+    spread over `num_nodes` processes (Metaflow `@parallel` nodes, one per host).
+
+    Attributes:
+        data: devices along the data-parallel axis.
+        fsdp: devices the parameters and optimizer state are sharded over (and the batch with them).
+        model: devices along the tensor-parallel axis.
+        num_nodes: processes (hosts) the devices are spread over; each runs the same stage.
+    """
 
     data: int = 1
     fsdp: int = 1
@@ -212,7 +272,17 @@ class OptimSection:
 
     `eps` is Adam's epsilon (added to the root of the second moment): where it is well above a
     parameter's gradient RMS, Adam's step for that parameter is the gradient times lr / eps, as
-    in SGD, instead of a unit-sized step whatever the gradient's size."""
+    in SGD, instead of a unit-sized step whatever the gradient's size.
+
+    Attributes:
+        lr: the peak learning rate.
+        warmup_steps: steps of linear warmup from 0 to `lr`.
+        schedule: after warmup: `constant`, or `cosine` / `linear` decay over the stage's remaining steps.
+        weight_decay: AdamW's decoupled weight decay.
+        clip_norm: the global gradient norm is clipped to this.
+        b2: Adam's second-moment decay.
+        eps: Adam's epsilon (see above).
+    """
 
     lr: float = 3e-3
     warmup_steps: int = 20
@@ -229,7 +299,21 @@ class OptimSection:
 
 @dataclasses.dataclass(frozen=True)
 class SamplerSection:
-    """Rollout/eval decoding (lengths, mask/pad and stop ids follow the canvas and tokenizer)."""
+    """Rollout/eval decoding (lengths, mask/pad and stop ids follow the canvas and tokenizer).
+
+    Attributes:
+        temperature: the sampling temperature (0: greedy).
+        top_k: sample among the k most likely tokens only (unset: all).
+        top_p: sample within the smallest set of tokens of total probability p (unset: all).
+        strategy: which masked positions commit per step: `threshold` (every one whose confidence reaches
+            `threshold`), `steps` (a fixed number per step), or `random` (as many as `steps`, chosen at random: the
+            trajectory's likelihood is exact).
+        threshold: τ, the confidence at which `threshold` commits a position (at least one commits per step).
+        steps_per_block: denoising steps per block for `steps` and `random` (default: one token per step).
+        max_steps_per_block: a cap on `threshold`'s steps per block (default: the block size).
+        confidence: what `threshold` compares with τ: the sampled token's `probability`, the top-1 minus top-2
+            `margin`, or `entropy` as exp(-H).
+    """
 
     temperature: float = 1.0
     top_k: int | None = None
@@ -243,6 +327,18 @@ class SamplerSection:
 
 @dataclasses.dataclass(frozen=True)
 class SFTSection:
+    """Supervised masked-diffusion fine-tuning of the teacher and the student: each completion block is masked at a
+    random noise level and the model learns to fill it in.
+
+    Attributes:
+        steps: optimizer updates of the student (and of the teacher, unless `teacher_steps` is set).
+        batch_size: sequences per update.
+        microbatches: parts each batch is split into and accumulated exactly inside one update (to fit memory).
+        teacher_steps: the teacher's updates when it should train longer than the student (unset: `steps`).
+        optim: the optimizer (`[sft.optim]`).
+        corruption: the masking noise and loss weighting (`[sft.corruption]`).
+    """
+
     steps: int = 600
     batch_size: int = 128
     microbatches: int = 1
@@ -264,9 +360,22 @@ class OPDSection:
     """`microbatches` splits each step's rollouts into that many parts accumulated inside the one
     update (exact, as in SFT): a large model's replay logits need not fit at once. `guard` is
     what follows when the held-out problems show the teacher no better than the student before
-    OPD, or the student worse than where OPD started during or after it (`_guard`): "keep-best"
-    hands the next stage OPD's start when OPD ends worse, "warn" only says so, "stop" stops the
-    run there."""
+    OPD, or the student worse than where OPD started during or after it (`_guard`).
+
+    Attributes:
+        steps: distillation updates.
+        prompts_per_step: prompts the student samples a completion for per update.
+        microbatches: parts each step's rollouts are split into (see above).
+        kl_temperature: softens both distributions in the KL (the loss is scaled by T² so gradients keep their
+            size).
+        hard_ce_weight: weight of an added cross-entropy to the tokens the student committed (0: off; needs
+            `positions = "committed"`).
+        positions: where the KL is taken: every `masked` position of a replayed view, or only the `committed` ones.
+        optim: the optimizer (`[opd.optim]`).
+        sampler: how the student samples its rollouts (`[opd.sampler]`).
+        guard: what a paired held-out comparison that finds OPD harmful does: "keep-best" hands the next
+            stage OPD's start when OPD ends worse than it began, "warn" only says so, "stop" stops the run.
+    """
 
     steps: int = 100
     prompts_per_step: int = 64
@@ -296,7 +405,26 @@ class OPDSection:
 @dataclasses.dataclass(frozen=True)
 class GRPOSection:
     """`microbatches` splits each update's prompts_per_step x group_size rows into that many
-    parts accumulated inside the one update (exact)."""
+    parts accumulated inside the one update (exact).
+
+    Attributes:
+        steps: rollouts; each is followed by `updates_per_rollout` updates.
+        prompts_per_step: prompts per rollout.
+        group_size: samples per prompt, compared with each other for the advantages.
+        updates_per_rollout: optimizer updates on each rollout (the first has importance ratio exactly 1).
+        microbatches: parts each update's rows are split into (see above).
+        advantage: `grpo` (reward minus the group mean, over the group's std), `drgrpo` (minus the mean, no std) or
+            `rloo` (minus the mean of the others).
+        aggregation: how token losses combine: `token-mean`, `seq-mean-token-mean`, or `seq-mean-token-sum-norm`
+            (Dr. GRPO).
+        ratio: the importance ratio per `token`, or per sequence (`gspo-token`: GSPO's geometric mean, with per-
+            token gradients).
+        epsilon_low: the ratio is clipped below at 1 − epsilon_low.
+        epsilon_high: the ratio is clipped above at 1 + epsilon_high (above `epsilon_low`: DAPO's clip-higher).
+        beta: weight of the k3 KL to the starting model (0: off, no reference forward).
+        optim: the optimizer (`[grpo.optim]`).
+        sampler: how rollouts are sampled (`[grpo.sampler]`); pass@k in evaluation uses it too.
+    """
 
     steps: int = 40
     prompts_per_step: int = 16
@@ -326,6 +454,17 @@ class GRPOSection:
 
 @dataclasses.dataclass(frozen=True)
 class EvalSection:
+    """The held-out evaluation every stage ends with, on problems never seen in training.
+
+    Attributes:
+        n: held-out problems.
+        batch_size: problems decoded at once.
+        samples_shown: sample completions the cards and W&B show.
+        sampler: the decoding of the accuracy table (`[eval.sampler]`; greedy by default).
+        samples: rollouts per problem for pass@k at the `[grpo] sampler` decoding (0: off).
+        thresholds: confidence thresholds of the accuracy-against-NFE curve, then one token per step (`[]`: off).
+    """
+
     n: int = 256
     batch_size: int = 256
     samples_shown: int = 8
@@ -347,6 +486,25 @@ class EvalSection:
 
 @dataclasses.dataclass(frozen=True)
 class RunSection:
+    """Seeds, folders, checkpoints, logging and the progress watchdog of the run.
+
+    Attributes:
+        seed: the seed of model initialization, data order and sampling in every stage (the task's problems follow
+            `[task] seed`).
+        output_dir: the folder for checkpoints, W&B runs, the compilation cache and `latest/summary.json`.
+        project: the W&B project every stage's run is logged to.
+        checkpoint_every: save every this many updates (and at the stage's end, and on SIGTERM).
+        max_to_keep: checkpoints kept per stage.
+        async_checkpoints: write periodic checkpoints on background threads while training goes on.
+        log_every: log metrics every this many updates.
+        export: also write each stage's model as a Hugging Face checkpoint (`<run>/export/<stage>`).
+        allow_changes: fingerprint fields a resumed stage may find changed (e.g. `"training.grpo.optim.lr"`);
+            anything else that differs is refused.
+        stall_factor: a multi-process run stops (exit code 75) when an update takes longer than this × the median
+            update (0: no watchdog).
+        stall_floor_s: the least seconds without progress that count as a stall.
+    """
+
     seed: int = 0
     output_dir: str = "runs"
     project: str = "bdlm"
@@ -380,6 +538,23 @@ class RunSection:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
+    """The run config: one table per field, as a preset TOML writes them ([preset keys](presets.md) lists every key).
+
+    Build it from TOML text with `parse_pipeline_config` then `pipeline_config`; unknown keys, wrong types and broken
+    invariants are refused on load, naming the key.
+
+    Attributes:
+        task: the task and its data.
+        tokenizer: the tokenizer and its special tokens.
+        canvas: prompt length, completion length and block size.
+        teacher: the teacher's architecture or checkpoint.
+        student: the student's architecture or checkpoint.
+        sft: supervised masked-diffusion fine-tuning of both roles.
+        opd: on-policy distillation of the teacher into the student.
+        grpo: GRPO on the task's reward.
+        eval: the held-out evaluation each stage ends with.
+        run: seeds, folders, checkpoints, logging and the progress watchdog.
+        mesh: the device mesh and the number of nodes."""
     task: TaskSection = TaskSection()
     tokenizer: TokenizerSection = TokenizerSection()
     canvas: CanvasConfig = CanvasConfig()
@@ -438,6 +613,7 @@ class PipelineConfig:
         return load_chat_template(self.task.chat_template, None if file is None else Path(file).parent)
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as plain TOML-ready values (the form `parse_pipeline_config` returns)."""
         return to_dict(self)
 
 

@@ -43,7 +43,22 @@ class StageSpec:
     the progress bar; every checkpoint pins `fingerprints`; `updates_per_step` is how many updates
     one `step_fn` call takes (GRPO's updates per rollout). `start` is the result of the stage
     whose model this one starts from (its evaluation is the baseline of the paired change);
-    `guard` (OPD's) compares the model at every periodic checkpoint and at the end."""
+    `guard` (OPD's) compares the model at every periodic checkpoint and at the end.
+
+    Attributes:
+        name: the stage's name: its checkpoint folder, W&B job type and progress bar.
+        role: `teacher` or `student`.
+        title: how tables and plots name the stage.
+        total: the updates to train to.
+        fingerprints: what every checkpoint of the stage pins, by name.
+        learning_rate: the learning rate at a step (for the logs).
+        curves: the metrics the card plots.
+        eval_key: the key of the held-out evaluation.
+        mesh: the mesh the stage runs on, or None.
+        updates_per_step: updates one `step_fn` call takes.
+        start: the result this stage starts from (the baseline of its paired gain), or None.
+        guard: OPD's guard, or None.
+    """
 
     name: str
     role: str
@@ -61,7 +76,22 @@ class StageSpec:
 
 @dataclasses.dataclass
 class StageResult:
-    """What a stage hands to the next one and to the summary: small values only."""
+    """What a stage hands to the next one and to the summary: small values only.
+
+    Attributes:
+        stage: the stage's name (`sft-teacher`, `sft-student`, `opd`, `grpo`).
+        role: `teacher` or `student`.
+        checkpoint_dir: the stage's checkpoint folder.
+        step: the last step saved.
+        identity: the model identity fingerprint, as JSON.
+        history: the logged metric rows.
+        evaluation: the held-out evaluation.
+        curves_png: the training curves as a PNG.
+        wandb_run_dir: the stage's W&B run folder.
+        export_dir: the Hugging Face export (`[run] export = true`).
+        params: `{"trained": ..., "total": ...}` parameter counts.
+        seconds: wall-clock of `updates`, `train`, `first` (compiling) and `eval`.
+    """
 
     stage: str
     role: str

@@ -35,6 +35,13 @@ ONE_PER_STEP = "one per step"
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
+    """One held-out problem as a card shows it.
+
+    Attributes:
+        prompt: the prompt text.
+        answer: the reference answer.
+        completion: what the model generated (up to its first stop token).
+        reward: the task's reward of the completion."""
     prompt: str
     answer: str
     completion: str
@@ -44,7 +51,15 @@ class Sample:
 @dataclasses.dataclass(frozen=True)
 class NFEPoint:
     """Held-out results at one decoding setting; `tokens_per_second` is timed after compilation
-    (None where it was not timed)."""
+    (None where it was not timed).
+
+    Attributes:
+        decoding: the setting, e.g. `τ 0.9` or one token per step.
+        accuracy: the share of exact answers.
+        mean_reward: the mean task reward.
+        nfe_per_token: forward passes per generated token.
+        tokens_per_second: generated tokens per second after compilation (None: not timed).
+    """
 
     decoding: str
     accuracy: float
@@ -56,7 +71,23 @@ class NFEPoint:
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
     """Held-out results of one model: the greedy numbers, sample completions and a trace picture;
-    with `evaluate_report`, also pass@k and the accuracy-vs-NFE curve (and its picture)."""
+    with `evaluate_report`, also pass@k and the accuracy-vs-NFE curve (and its picture).
+
+    Attributes:
+        accuracy: the share of exact answers (greedy by default).
+        mean_reward: the mean task reward.
+        n: held-out problems.
+        nfe_per_token: forward passes per generated token.
+        generated_tokens: generated tokens per problem.
+        samples: sample completions.
+        trace_png: one denoising trace as a PNG.
+        pass_at_k: `{"pass@1": ..., "pass@2": ...}`.
+        samples_per_problem: samples per problem behind pass@k.
+        accuracy_vs_nfe: one point per decoding setting.
+        curve_png: the accuracy-vs-NFE plot.
+        rewards: each problem's greedy reward, in order.
+        correct_samples: each problem's count of correct pass@k samples.
+    """
 
     accuracy: float
     mean_reward: float

@@ -31,7 +31,15 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True)
 class Rollouts:
     """A sampled batch: `rollout` as sampled (on the mesh, with its trace), and on the host the
-    scored rows' `texts` and `rewards` plus every row's `nfe` and `generated` token counts."""
+    scored rows' `texts` and `rewards` plus every row's `nfe` and `generated` token counts.
+
+    Attributes:
+        rollout: the sampled batch with its trace.
+        texts: the decoded completions of the scored rows.
+        rewards: their rewards.
+        nfe: forward passes per row.
+        generated: generated tokens per row.
+    """
 
     rollout: RolloutOutput
     texts: list[str]

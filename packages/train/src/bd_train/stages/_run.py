@@ -87,11 +87,13 @@ class RunDir:
 
     @classmethod
     def create(cls, config: Any, *, run_id: str) -> RunDir:
+        """The run's folder `<[run] output_dir>/pipeline/<run_id>`, created if needed."""
         run_dir = Path(pipeline_config(config).run.output_dir).resolve() / "pipeline" / str(run_id)
         run_dir.mkdir(parents=True, exist_ok=True)
         return cls(str(run_id), str(run_dir))
 
     def checkpoint_dir(self, stage: str) -> Path:
+        """Where `stage` keeps its checkpoints."""
         return Path(self.run_dir) / "checkpoints" / stage
 
     @property
@@ -139,6 +141,7 @@ class Run:
         return dict(zip(names, jax.random.split(key, len(names))))
 
     def data_seed(self, stage: str) -> int:
+        """The seed of `stage`'s data stream: `[run] seed` plus a fixed offset per stage."""
         return self.config.run.seed + stream(stage)
 
     # -- data and rewards ----------------------------------------------------------------------------
@@ -195,6 +198,7 @@ class Run:
                                       shard_count=1))
 
     def reward(self, example: Example, completion: str) -> float:
+        """The task's reward of `completion`; for JSONL data without a task, exact match of the answer."""
         if self.task is not None:
             return self.task.reward(example, completion)
         return 1.0 if completion.strip() == example.answer.strip() else 0.0  # user data: exact match
@@ -202,6 +206,8 @@ class Run:
     # -- configs -------------------------------------------------------------------------------------
 
     def model_config(self, role: str) -> ModelConfig:
+        """The `ModelConfig` of `role`: the preset's sizes with the tokenizer's vocab and the canvas's block, or a
+        pretrained checkpoint's architecture."""
         section = getattr(self.config, role)
         if section.pretrained:
             return model_config_from_hf(**self._pretrained_kwargs(role))
@@ -221,6 +227,7 @@ class Run:
                     **section.tiles())
 
     def sampler_config(self, section: SamplerSection) -> SamplerConfig:
+        """The `SamplerConfig` of a `[... sampler]` table, with the canvas's lengths and the tokenizer's ids."""
         canvas, tok = self.config.canvas, self.tokenizer
         distribution = SamplingDistribution(temperature=section.temperature, top_k=section.top_k,
                                             top_p=section.top_p)
@@ -233,6 +240,7 @@ class Run:
 
     @staticmethod
     def optimizer_config(section: OptimSection, steps: int) -> OptimizerConfig:
+        """The `OptimizerConfig` of an `[... optim]` table for a stage of `steps` steps."""
         schedule = section.schedule if steps > section.warmup_steps else "constant"
         return OptimizerConfig(learning_rate=section.lr, schedule=schedule, warmup_steps=section.warmup_steps,
                                total_steps=steps if schedule != "constant" else None, b2=section.b2, eps=section.eps,

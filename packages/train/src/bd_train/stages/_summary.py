@@ -99,6 +99,8 @@ def summary_curve_png(summary: Mapping[str, Mapping[str, Any]]) -> bytes | None:
 
 
 def format_summary(summary: Mapping[str, Mapping[str, Any]]) -> str:
+    """The summary as the fixed-width table `make run` prints: accuracy, reward, n, NFE per token, pass@k and trained
+    parameters per model."""
     passes = pass_keys(summary)
     lines = [f"{'model':<14} {'accuracy':>9} {'reward':>8} {'n':>5} {'NFE/token':>10}"
              + "".join(f" {k:>8}" for k in passes) + "  trained params"]

@@ -68,18 +68,22 @@ class Tracker:
         return Path(self.run.dir).parent if self.run is not None and self.run.dir else None
 
     def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
+        """Log scalar metrics at `step`."""
         self.run.log({key: _scalar(value) for key, value in metrics.items()}, step=int(step))
 
     def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *,
                   step: int | None = None) -> None:
+        """Log a table (W&B `Table`) of `rows` under `name`."""
         table = self._wandb.Table(columns=list(columns), data=[list(map(_scalar, row)) for row in rows])
         self.run.log({name: table}, step=step)
 
     def summary(self, values: Mapping[str, Any]) -> None:
+        """Set values in the run's W&B summary."""
         for key, value in values.items():
             self.run.summary[key] = _scalar(value)
 
     def finish(self) -> None:
+        """Finish the W&B run (an offline run is then complete on disk)."""
         self.run.finish()
 
     def __enter__(self) -> Tracker:

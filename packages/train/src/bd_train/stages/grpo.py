@@ -20,7 +20,18 @@ GRPO_CURVES = ("reward_mean", "rollout_accuracy", "loss", "clip_fraction", "kl",
 
 
 def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int | None = None) -> StageResult:
-    """GRPO from the model `start` hands on (`start.handed_on`: OPD's, or the one its guard kept)."""
+    """GRPO from the student `start` (OPD's result): rollouts, group advantages and clipped updates on the exact replay
+    of each trace; returns the checkpoint, identity, history and eval.
+
+    Args:
+        config: the run config (`PipelineConfig`, or the plain form `parse_pipeline_config` returns).
+        where: the run's folders.
+        start: the stage whose student model GRPO starts from: `start.handed_on` (OPD's model, or the one
+            its guard kept).
+        fail_after: tests only: raise `SimulatedFailure` once this step is saved.
+
+    Returns:
+        The stage's `StageResult`."""
     start = start.handed_on
     run = Run(config, where)
     run.enable_compilation_cache()

@@ -39,7 +39,18 @@ def _teacher_logits(teacher, layout):
 
 def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageResult,
             fail_after: int | None = None) -> StageResult:
-    """Distil `teacher` into `student` (the model `student.handed_on` holds); see the module."""
+    """On-policy distillation: the student samples, every denoising step is replayed, and the student minimizes
+    KL(teacher ‖ student) at the masked positions; returns the checkpoint, identity, history and eval.
+
+    Args:
+        config: the run config (`PipelineConfig`, or the plain form `parse_pipeline_config` returns).
+        where: the run's folders.
+        teacher: the teacher's SFT result (frozen here).
+        student: the student's SFT result (trained on from `student.handed_on`).
+        fail_after: tests only: raise `SimulatedFailure` once this step is saved.
+
+    Returns:
+        The stage's `StageResult`."""
     student = student.handed_on
     run = Run(config, where)
     run.enable_compilation_cache()

@@ -27,7 +27,21 @@ SFT_CURVES = ("loss", "grad_norm")
 def run_sft(config: Any, where: RunDir, *, role: str, start: StageResult | None = None,
             fail_after: int | None = None) -> StageResult:
     """Train (or adopt) the `role` model; returns its checkpoint, identity, history and eval. With
-    `start`, train on from that stage's model (fresh optimizer), its folder pinned in the checkpoints."""
+    `start`, train on from that stage's model (fresh optimizer), its folder pinned in the checkpoints.
+    `fail_after` is for tests only: it raises `SimulatedFailure` once that step is saved.
+
+    Example:
+        ```py
+        from bd_train.stages import RunDir, parse_pipeline_config, run_grpo, run_opd, run_sft
+
+        config = parse_pipeline_config(open("flows/configs/smoke.toml").read())
+        where = RunDir.create(config, run_id="by-hand")
+        teacher = run_sft(config, where, role="teacher")
+        student = run_sft(config, where, role="student")
+        grpo = run_grpo(config, where, start=run_opd(config, where, teacher=teacher, student=student))
+        print(grpo.evaluation.metrics())
+        ```
+    """
     if role not in ROLES:
         raise StageError(f"run_sft: role must be one of {ROLES}, got {role!r}")
     run = Run(config, where)
