@@ -117,6 +117,7 @@ class Guard:
         return self.mode == "stop"
 
     def stop_error(self) -> StageError:
+        """The error a "stop" guard raises: its latest finding and how to go on."""
         return self._stop(self.said[-1])
 
     def metrics(self, step: int) -> dict[str, float]:

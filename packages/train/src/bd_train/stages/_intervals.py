@@ -46,11 +46,13 @@ class Interval:
         return f"{self.estimate:{fmt}} [{self.low:{fmt}}, {self.high:{fmt}}]{mark}"
 
     def to_dict(self) -> dict[str, Any]:
+        """The interval as JSON-ready values (`summary.json`, checkpoint metadata)."""
         return {"estimate": self.estimate, "low": self.low, "high": self.high, "n": self.n, "method": self.method,
                 "confidence": self.confidence, "excludes_zero": self.excludes_zero}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> Interval:
+        """The interval `to_dict` wrote (keys it does not know are ignored)."""
         return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
 
 
