@@ -5,7 +5,9 @@ that treats every position on its own (a cross-entropy, a divergence, a token's 
 model's `logits_chunk` C > 0 it runs `fn` on the logits of C positions of every row at a time, in
 a scan whose steps are checkpointed, so the backward pass recomputes a chunk's logits instead of
 storing them: the `[B, T, V]` float32 logits (and `fn`'s temporaries of that size) are never live
-at once, only `[B, C, V]`. Chunks cut the position axis, so rows keep their data-parallel sharding.
+at once, only `[B, C, V]`. Chunks cut the position axis, so rows keep their data-parallel sharding. (tokamax's
+`linear_softmax_cross_entropy_loss` fuses the head and an unweighted CE reduced to one number: no
+per-token weights, metrics, temperature, sampling filters or teacher, so none of these losses.)
 Shape letters: see bd_core (B, T, D, V); C positions per chunk, N whole chunks.
 """
 
