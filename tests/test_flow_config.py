@@ -108,8 +108,10 @@ def test_identity_pins_what_the_model_computes_not_how():
 
     base = (ROOT / "flows" / "configs" / "smoke.toml").read_text()
     identity = Run(parse_pipeline_config(base)).identity("student")
-    how = Run(parse_pipeline_config(base.replace("[student]\n", "[student]\nattention = 'dense'\nremat = 'full'\n")))
+    how = Run(parse_pipeline_config(base.replace("[student]\n", "[student]\nattention = 'dense'\nremat = 'full'\n"
+                                                               "logits_chunk = 64\n")))
     assert how.identity("student").digest == identity.digest
+    assert how.model_config("student").logits_chunk == 64
     wider = Run(parse_pipeline_config(base.replace("[student]\nd_model = 16", "[student]\nd_model = 32")))
     # head_dim follows d_model / n_heads unless set, and is recorded resolved
     assert set(wider.identity("student").diff(identity)) == {"architecture.d_model", "architecture.d_ff",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -396,3 +399,82 @@ def test_lower_gives_the_step_program_for_its_memory_and_cost(toy_model, batch_f
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     assert cost["flops"] > 0
+
+
+# -- donation ----------------------------------------------------------------------------------------
+
+def _copy(tree):
+    return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
+
+
+def _aliases(text: str) -> int:
+    """How many parameters of a compiled program its outputs alias (`input_output_alias`)."""
+    header = text.splitlines()[0]
+    if "input_output_alias={" not in header:
+        return 0
+    return len(re.findall(r"\(\d+, \{\}, may-alias\)", header.split("entry_computation_layout", 1)[0]))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_donating_step_updates_the_state_in_place_with_the_same_result(toy_model, batch_factory, streaming):
+    model, batch = toy_model(key=jax.random.key(4)), batch_factory(3, rows=8)
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-2, max_grad_norm=1.0))
+    kept, donating = (Trainer(sft_objective, optimizer, TrainerConfig(microbatches=2, streaming=streaming,
+                                                                       donate=donate)) for donate in (False, True))
+    micro = jax.tree.map(lambda x: jnp.asarray(x)[:4], batch)
+    state = kept.init(model, key=jax.random.key(0), microbatch=micro if streaming else None)
+    donated = jax.tree.leaves((eqx.filter(state.model, eqx.is_inexact_array), state.opt_state, state.accumulator))
+    arrays = [x for x in donated if x.ndim > 0]  # parameters, moments, accumulated gradients
+    # the compiled update aliases every donated array to an output (XLA updates them in place; a
+    # scalar may be left out); without donation nothing is aliased
+    for update in (True, False) if streaming else (True,):
+        compiled = donating.lower(state, batch, is_update_step=update).compile()
+        assert len(arrays) <= _aliases(compiled.as_text()) <= len(donated)
+        assert compiled.memory_analysis().alias_size_in_bytes >= sum(x.nbytes for x in arrays)
+    compiled = kept.lower(state, batch).compile()
+    assert _aliases(compiled.as_text()) == 0 and compiled.memory_analysis().alias_size_in_bytes == 0
+
+    a, b = state, _copy(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "donated buffers were not usable" would fail here
+        for call in range(4):
+            update = not streaming or call % 2 == 1
+            a, metrics_a = kept.step(a, batch, is_update_step=update)
+            spent = b
+            b, metrics_b = donating.step(b, batch, is_update_step=update)
+            assert all(x.is_deleted() for x in jax.tree.leaves(eqx.filter(spent.model, eqx.is_inexact_array)))
+            assert not spent.key.is_deleted()  # what a step passes through is not donated
+    assert eqx.tree_equal(eqx.filter(a, eqx.is_array), eqx.filter(b, eqx.is_array))
+    assert eqx.tree_equal(metrics_a, metrics_b)
+
+
+def test_a_donating_lora_step_keeps_the_frozen_base_its_reference_shares(batch_factory):
+    from bd_models import LoRAConfig, add_lora, base_model
+
+    config = ModelConfig(vocab_size=13, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32, block_size=2,
+                         attention="dense")
+    model = add_lora(BlockDiffusionLM(config, key=jax.random.key(0)), LoRAConfig(rank=2), key=jax.random.key(1))
+    reference = base_model(model)  # GRPO's KL reference: the same base arrays
+    batch = batch_factory(2, rows=4, length=6)
+    trainer = Trainer(sft_objective, make_optimizer(OptimizerConfig(learning_rate=1e-2)), TrainerConfig(donate=True))
+    state = trainer.init(model, key=jax.random.key(2))
+    new, _ = trainer.step(state, batch)
+    assert all(not x.is_deleted() for x in jax.tree.leaves(eqx.filter(reference, eqx.is_array)))
+    assert eqx.tree_equal(eqx.filter(base_model(new.model), eqx.is_array), eqx.filter(reference, eqx.is_array))
+    assert all(x.is_deleted() for x in jax.tree.leaves(state.params))  # the adapters were donated
+
+
+def test_an_async_save_keeps_its_values_when_the_next_step_donates_them(tmp_path, toy_model, batch_factory):
+    model, batch = toy_model(key=jax.random.key(4)), batch_factory(3, rows=8)
+    trainer = Trainer(sft_objective, make_optimizer(OptimizerConfig(learning_rate=1e-2)), TrainerConfig(donate=True))
+    state, _ = trainer.step(trainer.init(model, key=jax.random.key(0)), batch)
+    want = [np.array(x) for x in jax.tree.leaves((state.step, state.model, state.opt_state))]
+    with Checkpointer(tmp_path, async_save=True) as checkpoints:
+        checkpoints.save(state)
+        for _ in range(3):  # the saved buffers are donated to and overwritten by the next updates
+            state, _ = trainer.step(state, batch)
+        jax.block_until_ready(state)
+        checkpoints.wait()
+        restored = checkpoints.restore(trainer.init(toy_model(key=jax.random.key(5)), key=jax.random.key(0)), step=1)
+    got = [np.array(x) for x in jax.tree.leaves((restored.step, restored.model, restored.opt_state))]
+    assert all(g.tobytes() == w.tobytes() for g, w in zip(got, want, strict=True))

@@ -28,6 +28,8 @@ from ._layers import DecoderLayer as DecoderLayer
 from ._layers import apply_rope as apply_rope
 from ._layers import rms_norm as rms_norm
 from ._layers import rope_angles as rope_angles
+from ._logits_chunks import logits_chunk as logits_chunk
+from ._logits_chunks import map_logits as map_logits
 from ._lora import TARGETS as TARGETS
 from ._lora import LoRAConfig as LoRAConfig
 from ._lora import LoRAWeight as LoRAWeight

@@ -65,6 +65,9 @@ class ModelConfig:
     MLP's gated activation from them, which costs less than saving and reloading their outputs),
     `none` (keep every activation), `full` (keep only each layer's input) or `save_matmuls` (keep
     the matmul outputs; recompute attention too).
+    `logits_chunk` (0: off) makes the losses (`map_logits`) compute the logits `logits_chunk`
+    positions of every row at a time, recomputed in the backward pass, so that the whole
+    `[B, T, V]` float32 logits are never held at once; the values and gradients are the same.
     `head_dim` (0: d_model / n_heads) may differ from d_model / n_heads, as in Qwen3. `qk_norm`
     adds a per-head RMSNorm on queries and keys before RoPE (Qwen3, SDAR); `qkv_bias` adds biases to
     the q/k/v projections (Qwen2); `rope_scaling` applies Llama-3 frequency scaling; `activation`
@@ -110,6 +113,7 @@ class ModelConfig:
     q_tile: int = 64
     k_tile: int = 64
     remat: str = "elementwise"
+    logits_chunk: int = 0  # 0: the losses take the whole logits at once
     head_dim: int = 0  # 0: d_model // n_heads
     qk_norm: bool = False
     qkv_bias: bool = False
@@ -158,6 +162,8 @@ class ModelConfig:
                                "TPU's lanes are 128 wide; set q_tile = k_tile = 128 (or 256, 512)")
         if self.remat not in REMAT_POLICIES:
             raise fail("remat", f"one of {REMAT_POLICIES}")
+        if isinstance(self.logits_chunk, bool) or not isinstance(self.logits_chunk, int) or self.logits_chunk < 0:
+            raise fail("logits_chunk", "an int >= 0", "use 0 to compute the logits at once")
         for name in ("tie_embeddings", "qk_norm", "qkv_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "a bool")

@@ -111,8 +111,15 @@ class BlockDiffusionLM(eqx.Module):
     def with_attention(self, attention: str, *, q_tile: int | None = None,
                        k_tile: int | None = None) -> BlockDiffusionLM:
         """The same parameters with another attention implementation (or tile sizes)."""
-        config = self.config.replace(attention=attention, q_tile=q_tile or self.config.q_tile,
-                                     k_tile=k_tile or self.config.k_tile)
+        return self._with_config(self.config.replace(attention=attention, q_tile=q_tile or self.config.q_tile,
+                                                     k_tile=k_tile or self.config.k_tile))
+
+    def with_logits_chunk(self, logits_chunk: int) -> BlockDiffusionLM:
+        """The same parameters with the losses' logits computed `logits_chunk` positions at a time
+        (0: all at once); see `ModelConfig.logits_chunk`."""
+        return self._with_config(self.config.replace(logits_chunk=logits_chunk))
+
+    def _with_config(self, config: ModelConfig) -> BlockDiffusionLM:
         model = object.__new__(BlockDiffusionLM)  # the config is static: rebuild, sharing the arrays
         for field in ("embedding", "layers", "final_norm", "lm_head"):
             object.__setattr__(model, field, getattr(self, field))
@@ -128,6 +135,14 @@ class BlockDiffusionLM(eqx.Module):
 
     def embed_forward(self, x: Float[Array, "B T D"], layout: ViewLayout) -> Float[Array, "B T V"]:
         """The forward from input embeddings (what gradient-through-the-mask tests differentiate)."""
+        return self.unembed(self._decode(x, layout))
+
+    def features(self, layout: ViewLayout) -> Float[Array, "B T D"]:
+        """The final hidden states (after the final norm, in the compute dtype): `unembed` of them
+        is `self(layout)`. Losses that never hold every logit at once read these (`map_logits`)."""
+        return self._decode(self.embed(layout.tokens), layout)
+
+    def _decode(self, x: Float[Array, "B T D"], layout: ViewLayout) -> Float[Array, "B T D"]:
         config = self.config
         cos, sin = rope_angles(layout.positions, config)
         meta = TokenMeta.from_layout(layout)
@@ -140,15 +155,22 @@ class BlockDiffusionLM(eqx.Module):
 
         x, _ = lax.scan(remat_layer(layer_step, config.remat), x.astype(config.compute_jnp_dtype), self.layers,
                         unroll=_UNROLL.get())
-        return self._logits(x)
+        return self._final_norm(x)
 
-    def _logits(self, x_BxTxD) -> Float[Array, "B T V"]:
+    def _final_norm(self, x_BxTxD) -> Float[Array, "B T D"]:
         config = self.config
         b, t, d = x_BxTxD.shape
-        dtype = config.compute_jnp_dtype
-        h_BTxD = rms_norm(x_BxTxD.reshape(b * t, d), self.final_norm, config.norm_eps, dtype)
+        h_BTxD = rms_norm(x_BxTxD.reshape(b * t, d), self.final_norm, config.norm_eps, config.compute_jnp_dtype)
+        return h_BTxD.reshape(b, t, d)
+
+    def unembed(self, h_BxTxD: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
+        """Float32 logits of final hidden states (`features`): the (tied) LM head's matmul, row by row,
+        so a slice of the tokens gives the same logits as the whole."""
+        b, t, d = h_BxTxD.shape
+        dtype = self.config.compute_jnp_dtype
         head_DxV = self.embedding.T if self.lm_head is None else self.lm_head
-        logits_BTxV = rows(jnp.dot(h_BTxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32))
+        logits_BTxV = rows(jnp.dot(h_BxTxD.reshape(b * t, d).astype(dtype), head_DxV.astype(dtype),
+                                   preferred_element_type=jnp.float32))
         return logits_BTxV.reshape(b, t, -1)
 
     def init_cache(self, batch_size: int, max_len: int) -> KVCache:
@@ -193,7 +215,7 @@ class BlockDiffusionLM(eqx.Module):
             x_BxTxD = layer.finish(x_BxTxD, jnp.transpose(out_BxKxGxTxE, (0, 3, 1, 2, 4)), config)
             new_k.append(k_BxKxTxE)
             new_v.append(v_BxKxTxE)
-        logits = self._logits(x_BxTxD)
+        logits = self.unembed(self._final_norm(x_BxTxD))
         if commit is None:
             return logits, cache
         commit = jnp.asarray(commit) & jnp.asarray(chunk.valid)

@@ -14,6 +14,7 @@ from jaxtyping import Array, Float
 
 from bd_core import DiffusionTokenBatch, DiffusionTrace
 
+from ._logits_chunks import map_logits
 from ._sampling_dist import SamplingDistribution, entropy, token_logprob
 
 
@@ -29,17 +30,22 @@ def token_logprobs(
     of `distribution` there. `stop_gradient=True` (old-policy and reference scoring) blocks the
     gradient into the model; pass False for the policy being optimized. A rollout's distribution
     is `SamplerConfig.distribution`; passed into a jitted caller, its values are traced, so one
-    compile serves them all.
+    compile serves them all. With the model's `logits_chunk` the logits are computed a slice of
+    the positions at a time (`map_logits`), with the same values and gradients.
     """
-    logits_BxTxV = model(batch.layout)
-    if stop_gradient:
-        logits_BxTxV = jax.lax.stop_gradient(logits_BxTxV)
-    logp_BxTxV = distribution.logprobs(logits_BxTxV)
-    active_BxT = batch.weights > 0
-    # inactive targets may be banned ids (-inf): score a finite id there so gradients stay finite
-    targets_BxT = jnp.where(active_BxT, batch.targets, jnp.argmax(logp_BxTxV, axis=-1))
-    logp_BxT = jnp.where(active_BxT, token_logprob(logp_BxTxV, targets_BxT), 0.0)
-    entropy_BxT = jnp.where(active_BxT, entropy(logp_BxTxV), 0.0) if with_entropy else None
+
+    def score(logits_BxTxV, targets_BxT, active_BxT):
+        if stop_gradient:
+            logits_BxTxV = jax.lax.stop_gradient(logits_BxTxV)
+        logp_BxTxV = distribution.logprobs(logits_BxTxV)
+        # inactive targets may be banned ids (-inf): score a finite id there so gradients stay finite
+        targets_BxT = jnp.where(active_BxT, targets_BxT, jnp.argmax(logp_BxTxV, axis=-1))
+        logp_BxT = jnp.where(active_BxT, token_logprob(logp_BxTxV, targets_BxT), 0.0)
+        entropy_BxT = jnp.where(active_BxT, entropy(logp_BxTxV), 0.0) if with_entropy else None
+        return logp_BxT, entropy_BxT
+
+    # position by position: with the model's logits_chunk, a slice of the logits at a time
+    logp_BxT, entropy_BxT = map_logits(model, batch.layout, score, batch.targets, batch.weights > 0)
     return logp_BxT, entropy_BxT
 
 

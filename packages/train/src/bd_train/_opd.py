@@ -8,6 +8,7 @@ Legend: B batch, T packed tokens, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -17,6 +18,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from bd_core import CLEAN_VIEW, DistillationBatch, LossOutput, WeightedMetric, config_error
+from bd_models import map_logits
 
 from ._sft import token_cross_entropy
 
@@ -54,31 +56,48 @@ class OPDConfig:
                                "where tokens were committed; use positions='committed'")
 
 
+def _opd_terms(student_logits: Float[Array, "B T V"], teacher_logits: Float[Array, "B T V"], active: Any,
+               targets: Any, *, config: OPDConfig) -> tuple[Array, Array | None, Array]:
+    """Per position: KL(teacher_T ‖ student_T), the hard CE (None without it) and whether the two
+    argmaxes agree; position by position, so `map_logits` may compute it a chunk at a time."""
+    t = config.temperature
+    teacher_logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits).astype(jnp.float32) / t, axis=-1)
+    student_logp = jax.nn.log_softmax(student_logits.astype(jnp.float32) / t, axis=-1)
+    kl = jnp.sum(jnp.exp(teacher_logp) * (teacher_logp - student_logp), axis=-1)
+    kl = jnp.where(active, kl, 0.0)
+    ce = token_cross_entropy(student_logits, targets, active) if config.hard_ce_weight > 0 else None
+    agree = (jnp.argmax(student_logits, axis=-1) == jnp.argmax(teacher_logits, axis=-1)) & active
+    return kl, ce, agree
+
+
+def _opd_output(kl: Array, ce: Array | None, agree: Array, weights: Array, denom: Array,
+                config: OPDConfig) -> LossOutput:
+    active = weights > 0
+    den = jnp.sum(denom)
+    per_token = kl * config.temperature**2
+    aux: dict[str, Any] = {"kl": WeightedMetric(jnp.sum(weights * kl), den)}
+    if ce is not None:
+        per_token = per_token + config.hard_ce_weight * ce
+        aux["hard_ce"] = WeightedMetric(jnp.sum(weights * ce), den)
+    aux["teacher_agreement"] = WeightedMetric(jnp.sum(agree.astype(jnp.float32)), jnp.sum(active.astype(jnp.float32)))
+    return LossOutput(WeightedMetric(jnp.sum(weights * per_token), den), aux)
+
+
+def _weights(weights: Any, denom_weights: Any, targets: Any, config: OPDConfig) -> tuple[Array, Array, Array]:
+    weights = jnp.asarray(weights, jnp.float32)
+    denom = weights if denom_weights is None else jnp.asarray(denom_weights, jnp.float32)
+    if config.hard_ce_weight > 0 and targets is None:
+        raise ValueError("opd_loss: hard_ce_weight > 0 needs targets=")
+    return weights, denom, jnp.zeros(weights.shape, jnp.int32) if targets is None else jnp.asarray(targets)
+
+
 def opd_loss(student_logits: Float[Array, "B T V"], teacher_logits: Float[Array, "B T V"],
              weights: Float[Array | np.ndarray, "B T"], config: OPDConfig, *, targets: Any = None,
              denom_weights: Any = None) -> LossOutput:
     """Σ w·(KL·T² + α·CE) / Σ denom_weights (default: Σ w, a weighted mean)."""
-    weights = jnp.asarray(weights, jnp.float32)
-    denom = weights if denom_weights is None else jnp.asarray(denom_weights, jnp.float32)
-    active = weights > 0
-    t = config.temperature
-    teacher_logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits).astype(jnp.float32) / t, axis=-1)
-    student_logp = jax.nn.log_softmax(student_logits.astype(jnp.float32) / t, axis=-1)
-    teacher_p = jnp.exp(teacher_logp)
-    kl = jnp.sum(teacher_p * (teacher_logp - student_logp), axis=-1)
-    kl = jnp.where(active, kl, 0.0)
-    per_token = kl * t**2
-    den = jnp.sum(denom)
-    aux: dict[str, Any] = {"kl": WeightedMetric(jnp.sum(weights * kl), den)}
-    if config.hard_ce_weight > 0:
-        if targets is None:
-            raise ValueError("opd_loss: hard_ce_weight > 0 needs targets=")
-        ce = token_cross_entropy(student_logits, jnp.asarray(targets), active)
-        per_token = per_token + config.hard_ce_weight * ce
-        aux["hard_ce"] = WeightedMetric(jnp.sum(weights * ce), den)
-    agree = (jnp.argmax(student_logits, axis=-1) == jnp.argmax(teacher_logits, axis=-1)) & active
-    aux["teacher_agreement"] = WeightedMetric(jnp.sum(agree.astype(jnp.float32)), jnp.sum(active.astype(jnp.float32)))
-    return LossOutput(WeightedMetric(jnp.sum(weights * per_token), den), aux)
+    weights, denom, targets = _weights(weights, denom_weights, targets, config)
+    terms = _opd_terms(student_logits, teacher_logits, weights > 0, targets, config=config)
+    return _opd_output(*terms, weights, denom, config)
 
 
 def opd_positions(batch: DistillationBatch, config: OPDConfig) -> tuple[Any, Any]:
@@ -94,11 +113,14 @@ def opd_positions(batch: DistillationBatch, config: OPDConfig) -> tuple[Any, Any
 
 def opd_objective(model: Any, batch: DistillationBatch, key: jax.Array | None = None, *,
                   config: OPDConfig) -> LossOutput:
-    """The student's logits on the replayed views against the batch's teacher logits."""
+    """The student's logits on the replayed views against the batch's teacher logits; with the
+    student's `logits_chunk`, a slice of the positions at a time (`bd_models.map_logits`)."""
     del key
     weights, denom = opd_positions(batch, config)
-    return opd_loss(model(batch.student.layout), batch.teacher_logits, weights, config,
-                    targets=batch.student.targets, denom_weights=denom)
+    weights, denom, targets = _weights(weights, denom, batch.student.targets, config)
+    kl, ce, agree = map_logits(model, batch.student.layout, functools.partial(_opd_terms, config=config),
+                               batch.teacher_logits, weights > 0, targets)
+    return _opd_output(kl, ce, agree, weights, denom, config)
 
 
 def make_opd_loss(config: OPDConfig) -> Callable[[Any, DistillationBatch, jax.Array], LossOutput]:

@@ -135,7 +135,7 @@ def _train_programs(stage: str, trainer: Trainer, make: Callable[[], Any], batch
     out = [_Program(stage, "train step", trainer.lower(state, place_batch(batch, mesh)), params, optimizer, flops,
                     costed, kernel)]
     if microbatches > 1:
-        streaming = Trainer(trainer.loss_fn, trainer.optimizer, TrainerConfig(streaming=True))
+        streaming = Trainer(trainer.loss_fn, trainer.optimizer, TrainerConfig(streaming=True, donate=True))
         like = jax.eval_shape(lambda: as_loss_output(streaming.loss_fn(
             make(), jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), micro), jax.random.key(0))))
         abstract = eqx.filter_eval_shape(lambda: TrainState.init(make(), trainer.optimizer, key=jax.random.key(0),
@@ -184,7 +184,7 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
         check_divisibility(model_config, mesh, sft.batch_size // sft.microbatches)
         length = context + canvas.max_new_tokens * sft.corruption.views
         optimizer = make_optimizer(run.optimizer_config(sft.optim, sft.steps_for(role)))
-        trainer = Trainer(sft_objective, optimizer, TrainerConfig(microbatches=sft.microbatches))
+        trainer = Trainer(sft_objective, optimizer, TrainerConfig(microbatches=sft.microbatches, donate=True))
         make = model_maker(run, role, "sft")
         programs = _train_programs(stage, trainer, make, diffusion_batch(sft.batch_size, length), mesh, model_config,
                                    (sft.batch_size, length), sft.microbatches, cost)
@@ -229,7 +229,7 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
                                      kernel_flops=splash_flops(student, (rows, length), 1, mesh.size)))
         loss = make_grpo_loss(grpo_config(run), distribution_score(distribution))
         batch = GRPOBatch(replay, sds((rows, length), jnp.float32), sds((rows,), jnp.float32), ref)
-    trainer = Trainer(loss, optimizer, TrainerConfig(microbatches=section.microbatches))
+    trainer = Trainer(loss, optimizer, TrainerConfig(microbatches=section.microbatches, donate=True))
     programs += _train_programs(stage, trainer, make, batch, mesh, student, (rows, length), section.microbatches,
                                 cost)
     programs.append(_sampler_program(stage, "held-out decoding", make, eval_sampler, eval_rows, canvas.prompt_len,

@@ -14,7 +14,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from bd_core import DiffusionTokenBatch, LossOutput, WeightedMetric
-from bd_models import with_dropout_keys
+from bd_models import map_logits, with_dropout_keys
 
 
 def token_cross_entropy(logits: Float[Array, "B T V"], targets: Int[Array | np.ndarray, "B T"],
@@ -27,13 +27,15 @@ def token_cross_entropy(logits: Float[Array, "B T V"], targets: Int[Array | np.n
     return jnp.where(active, logz - picked, 0.0)
 
 
-def sft_loss(logits: Float[Array, "B T V"], batch: DiffusionTokenBatch) -> LossOutput:
-    """Σ w·CE / Σ denom_weights, with unweighted CE and accuracy on the active tokens as aux."""
+def _sft_terms(logits: Float[Array, "B T V"], targets: Any, active: Any) -> tuple[Array, Array]:
+    """Per-position CE and whether the argmax is the target (position by position: `map_logits`)."""
+    ce = token_cross_entropy(logits, targets, active)
+    return ce, (jnp.argmax(logits, axis=-1) == targets) & active
+
+
+def _sft_output(ce: Array, correct: Array, batch: DiffusionTokenBatch) -> LossOutput:
     weights = batch.weights.astype(jnp.float32)
-    active = weights > 0
-    ce = token_cross_entropy(logits, batch.targets, active)
-    counted = active.astype(jnp.float32)
-    correct = (jnp.argmax(logits, axis=-1) == batch.targets) & active
+    counted = (weights > 0).astype(jnp.float32)
     return LossOutput(
         loss=WeightedMetric(jnp.sum(weights * ce), jnp.sum(batch.denom_weights.astype(jnp.float32))),
         aux={
@@ -43,10 +45,17 @@ def sft_loss(logits: Float[Array, "B T V"], batch: DiffusionTokenBatch) -> LossO
     )
 
 
+def sft_loss(logits: Float[Array, "B T V"], batch: DiffusionTokenBatch) -> LossOutput:
+    """Σ w·CE / Σ denom_weights, with unweighted CE and accuracy on the active tokens as aux."""
+    return _sft_output(*_sft_terms(logits, batch.targets, batch.weights > 0), batch)
+
+
 def sft_objective(model: Any, batch: DiffusionTokenBatch, key: jax.Array | None = None) -> LossOutput:
     """`loss_fn` for the trainer: the model's logits on the batch layout, scored by `sft_loss`.
     The forward pass is deterministic (corruption happened in the data pipeline) except for LoRA
-    adapters with dropout, which draw their masks from `key`."""
+    adapters with dropout, which draw their masks from `key`. With the model's `logits_chunk` the
+    logits are computed a slice of the positions at a time (`bd_models.map_logits`)."""
     if key is not None:
         model = with_dropout_keys(model, key)
-    return sft_loss(model(batch.layout), batch)
+    ce, correct = map_logits(model, batch.layout, _sft_terms, batch.targets, batch.weights > 0)
+    return _sft_output(ce, correct, batch)

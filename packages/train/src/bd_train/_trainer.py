@@ -17,6 +17,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from bd_core import LossOutput, as_loss_output, config_error, reduce_metrics
@@ -33,17 +34,24 @@ class NonFiniteError(RuntimeError):
 class TrainerConfig:
     """`microbatches`: k, scanned inside one program per call. `streaming`: keep an accumulator in
     the state so calls with `is_update_step=False` add to the next update. A run stops after
-    `max_consecutive_nonfinite` skipped non-finite updates in a row.
+    `max_consecutive_nonfinite` skipped non-finite updates in a row. `donate`: a step hands the
+    buffers of the state it replaces (trainable parameters, optimizer state, accumulator) to the
+    program, which updates them in place, so a step holds the state once (the pipeline's stages
+    do); the state passed in is then spent, its arrays deleted, and so is anything sharing them
+    (the model a state was made from): keep the returned state, and copy what must outlive it.
+    Off by default, so a library caller's arrays stay valid.
 
     Attributes:
         microbatches: parts each batch is split into, accumulated exactly in one program.
         streaming: keep an accumulator in the state across calls (`is_update_step=False`).
         max_consecutive_nonfinite: skipped non-finite updates in a row before `NonFiniteError`.
+        donate: update the state's buffers in place (the state passed to a step is spent).
     """
 
     microbatches: int = 1
     streaming: bool = False
     max_consecutive_nonfinite: int = 5
+    donate: bool = False
 
     def __post_init__(self):
         if self.microbatches < 1:
@@ -102,6 +110,44 @@ def _cast_like(tree: Any, dtypes: Any) -> Any:
     return jax.tree_util.tree_map(lambda x, dt: x.astype(dt) if jnp.issubdtype(dt, jnp.inexact) else x, tree, dtypes)
 
 
+def _is_dynamic(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def _split_state(state: TrainState) -> tuple[TrainState, tuple[Any, Any, Any]]:
+    """(kept, donated): what an update replaces (the trainable parameters, the optimizer state,
+    the accumulator) apart from the rest (a LoRA model's frozen base, counters, the key), which a
+    step passes through and which others may share (GRPO's reference is the base)."""
+    trainable = trainable_filter(state.model)
+    donated = (eqx.filter(state.model, trainable), state.opt_state, state.accumulator)
+    kept = dataclasses.replace(state, model=eqx.filter(state.model, trainable, inverse=True), opt_state=None,
+                               accumulator=None)
+    return kept, donated
+
+
+def _join_state(kept: TrainState, donated: tuple[Any, Any, Any]) -> TrainState:
+    params, opt_state, accumulator = donated
+    return dataclasses.replace(kept, model=eqx.combine(params, kept.model), opt_state=opt_state,
+                               accumulator=accumulator)
+
+
+def _unshared(donated: Any, kept: Any) -> Any:
+    """`donated` with a copy in place of every array that appears twice, or among `kept`: a buffer
+    may be donated once, and never while the step also reads it. (A fresh state may share arrays,
+    e.g. the zeros a custom optimizer's init returns for two counters.)"""
+    seen = {id(x) for x in jax.tree.leaves(kept) if isinstance(x, jax.Array)}
+
+    def once(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        if id(x) in seen:
+            return jnp.copy(x)
+        seen.add(id(x))
+        return x
+
+    return jax.tree.map(once, donated)
+
+
 def _all_finite(tree: Any) -> jax.Array:
     leaves = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree_util.tree_leaves(tree)]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
@@ -141,7 +187,8 @@ class Trainer:
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.config = config or TrainerConfig()
-        self._train = eqx.filter_jit(self._train_impl)
+        self._train = eqx.filter_jit(self._train_donating, donate="all-except-first")
+        self._train_kept = eqx.filter_jit(self._train_impl)
         self._eval = eqx.filter_jit(self._eval_impl)
 
     def init(self, model: Any, *, key: jax.Array, microbatch: Any = None) -> TrainState:
@@ -175,13 +222,27 @@ class Trainer:
         gives the compiled step, e.g. for its `memory_analysis()` or `cost_analysis()`. The state
         and batch may hold `jax.ShapeDtypeStruct`s (with shardings) instead of arrays: a plan
         for devices this host does not have (`bd_train.plan`)."""
-        return lower(lambda s, b: self._train_impl(s, b, is_update_step, False), state, batch)
+        if not self.config.donate:
+            return lower(lambda s, b: self._train_impl(s, b, is_update_step, False), state, batch)
+        kept, donated = _split_state(state)
+        dynamic, static = eqx.partition((kept, batch), _is_dynamic)
+        donated_dynamic, donated_static = eqx.partition(donated, _is_dynamic)
+
+        def program(dynamic, donated_dynamic):
+            (kept, batch), donated = eqx.combine(dynamic, static), eqx.combine(donated_dynamic, donated_static)
+            return self._train_impl(_join_state(kept, donated), batch, is_update_step, False)
+
+        return jax.jit(program, donate_argnums=1).lower(dynamic, donated_dynamic)
 
     def _run(self, state: TrainState, batch: Any, is_update_step: bool, presplit: bool) -> tuple[TrainState, dict]:
         if not is_update_step and state.accumulator is None:
             raise ValueError("is_update_step=False needs an accumulator in the state: build the Trainer with "
                              "TrainerConfig(streaming=True) and call init() again")
-        state, metrics = self._train(state, batch, is_update_step, presplit)
+        if self.config.donate:
+            kept, donated = _split_state(state)
+            state, metrics = self._train((kept, batch, is_update_step, presplit), _unshared(donated, kept))
+        else:
+            state, metrics = self._train_kept(state, batch, is_update_step, presplit)
         if is_update_step:
             streak = int(state.nonfinite_streak)
             if streak >= self.config.max_consecutive_nonfinite:
@@ -192,6 +253,10 @@ class Trainer:
                     "TrainerConfig.max_consecutive_nonfinite"
                 )
         return state, metrics
+
+    def _train_donating(self, kept_and_batch: tuple[Any, Any, bool, bool], donated: Any):
+        kept, batch, is_update_step, presplit = kept_and_batch
+        return self._train_impl(_join_state(kept, donated), batch, is_update_step, presplit)
 
     def _stack(self, batch: Any, presplit: bool) -> Any:
         if presplit:

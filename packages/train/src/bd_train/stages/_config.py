@@ -191,6 +191,9 @@ class ModelSection:
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     # What the backward pass recomputes per layer (bd_models.ModelConfig.remat).
     remat: Literal["elementwise", "none", "full", "save_matmuls"] = "elementwise"
+    # Positions per row whose logits the losses compute at a time, recomputed in the backward pass
+    # (bd_models.ModelConfig.logits_chunk; 0: all at once).
+    logits_chunk: int = 0
     checkpoint: str | None = None  # start from this SFT checkpoint folder instead of training
     # SFT starts from this Hugging Face checkpoint: a local folder, or a Hub repo id ("org/name")
     pretrained: str | None = None
@@ -198,6 +201,7 @@ class ModelSection:
     lora: LoRASection | None = None  # train LoRA adapters instead of every weight (in lora.stages)
 
     def __post_init__(self):
+        _nonneg(logits_chunk=self.logits_chunk)
         if self.checkpoint is not None and not Path(self.checkpoint).is_dir():
             raise ConfigError(f"checkpoint: folder {self.checkpoint!r} does not exist; give the checkpoint folder of "
                               f"an SFT stage (runs/pipeline/<run-id>/checkpoints/sft-<role>) or remove the key")
@@ -231,7 +235,7 @@ class ModelSection:
         return dict(d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
                     n_kv_heads=self.n_kv_heads or self.n_heads, d_ff=self.d_ff or 4 * self.d_model,
                     attention=self.attention, param_dtype=self.param_dtype, compute_dtype=self.compute_dtype,
-                    remat=self.remat, **self.tiles())
+                    remat=self.remat, logits_chunk=self.logits_chunk, **self.tiles())
 
     def tiles(self) -> dict[str, int]:
         """The attention's query and key tiles where they differ from bd_models' default."""

@@ -70,7 +70,7 @@ def stream(stage: str) -> int:
 ADAPTER_STREAMS = 100  # a stage's fresh LoRA adapters draw from stream 100 + its index
 # How the model is computed, not what it computes (the implementations agree to float tolerance):
 # a stage may change these without invalidating the checkpoint it starts from.
-EXECUTION_FIELDS = ("attention", "q_tile", "k_tile", "remat")
+EXECUTION_FIELDS = ("attention", "q_tile", "k_tile", "remat", "logits_chunk")
 
 
 class StageError(RuntimeError):
@@ -223,7 +223,7 @@ class Run:
         return dict(raw=raw, where=str(Path(section.folder) / "config.json"),
                     block_size=self.config.canvas.block_size,
                     vocab_size=max(int(raw.get("vocab_size", 0)), self.tokenizer.vocab_size),
-                    **{k: kwargs[k] for k in ("param_dtype", "compute_dtype", "attention", "remat")},
+                    **{k: kwargs[k] for k in ("param_dtype", "compute_dtype", "attention", "remat", "logits_chunk")},
                     **section.tiles())
 
     def sampler_config(self, section: SamplerSection) -> SamplerConfig:

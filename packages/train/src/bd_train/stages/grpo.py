@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .._grpo import distribution_score, make_grpo_loss
 from .._optim import make_optimizer
@@ -43,9 +44,14 @@ def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int 
                               what="student checkpoint after OPD", mesh=mesh)
     lora = run.lora("student", "grpo")
     adapters = run.adapters_pin(model, lora, {"checkpoint": start.checkpoint_dir})
-    # The KL reference is the model GRPO starts from, frozen: training builds new arrays. With
-    # LoRA it is the adapted model's own base (adapters off), so no second copy is held.
-    reference = model if section.beta > 0 else None
+    # The KL reference is the model GRPO starts from, frozen. With LoRA it is the adapted model's
+    # own base (adapters off): the steps donate only what they train, so no second copy is held.
+    # In full fine-tuning the steps donate (update in place) the model's arrays: the reference is
+    # a copy, made once.
+    reference = None
+    if section.beta > 0:
+        reference = model if lora is not None else jax.tree.map(
+            lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, model)
     if lora is not None:
         model = run.adapt(model, lora, "grpo")
     sampler = run.sampler_config(section.sampler)
@@ -53,7 +59,7 @@ def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int 
     total = section.steps * section.updates_per_rollout
     optimizer = run.optimizer_config(section.optim, total)
     trainer = Trainer(make_grpo_loss(grpo, distribution_score(sampler.distribution)), make_optimizer(optimizer),
-                      TrainerConfig(microbatches=section.microbatches))
+                      TrainerConfig(microbatches=section.microbatches, donate=True))
     keys = run.keys("grpo", "train", "rollout", "eval")
     state = trainer.init(model, key=keys["train"])
     prompts = run.prompts("grpo", section.prompts_per_step)

@@ -81,7 +81,8 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
     loss_fn = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
                                       positions=section.positions, mask_id=mask_id))
     optimizer = run.optimizer_config(section.optim, section.steps)
-    trainer = Trainer(loss_fn, make_optimizer(optimizer), TrainerConfig(microbatches=section.microbatches))
+    trainer = Trainer(loss_fn, make_optimizer(optimizer),
+                      TrainerConfig(microbatches=section.microbatches, donate=True))
     state = trainer.init(model, key=keys["train"])
     prompts = run.prompts("opd", section.prompts_per_step)
 

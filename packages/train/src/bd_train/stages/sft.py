@@ -55,7 +55,8 @@ def run_sft(config: Any, where: RunDir, *, role: str, start: StageResult | None 
     model_config = run.model_config(role)
     mesh = run.mesh(model_config, batch_size=cfg.sft.batch_size // cfg.sft.microbatches)
     optimizer = run.optimizer_config(cfg.sft.optim, steps)
-    trainer = Trainer(sft_objective, make_optimizer(optimizer), TrainerConfig(microbatches=cfg.sft.microbatches))
+    trainer = Trainer(sft_objective, make_optimizer(optimizer),
+                      TrainerConfig(microbatches=cfg.sft.microbatches, donate=True))
     state = run.initial_state(role, model_config, trainer.optimizer, key=keys["init"], mesh=mesh,
                               start=None if start is None else (start.stage, start.checkpoint_dir))
     data = run.sft_batches(stage)

@@ -1,0 +1,136 @@
+"""Chunked logits (`ModelConfig.logits_chunk`): SFT, OPD and replay scoring give the loss, the
+metrics and the gradients of the whole logits to float32 tolerance, for chunk sizes that divide
+the packed length and sizes that leave a shorter last chunk."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bd_core import DiffusionTokenBatch, DistillationBatch, ViewLayout
+from bd_models import BlockDiffusionLM, ModelConfig, SamplingDistribution, map_logits, token_logprobs
+from bd_train import GRPOBatch, GRPOConfig, OPDConfig, make_grpo_loss, make_opd_loss, sft_objective
+from bd_train._grpo import distribution_score
+
+V, ROWS, LENGTH, BLOCK, MASK = 61, 3, 16, 4, 60
+CHUNKS = (4, 5)  # chunk sizes tested: 16 = 4 x 4; 16 = 3 x 5 + 1
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _model(tie: bool = True) -> BlockDiffusionLM:
+    config = ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32, block_size=BLOCK,
+                         attention="dense", tie_embeddings=tie)
+    return BlockDiffusionLM(config, key=jax.random.key(0))
+
+
+def _batch(seed: int) -> DiffusionTokenBatch:
+    """A clean stream of 2 blocks and 2 noisy views of its blocks, some positions masked."""
+    rng = np.random.default_rng(seed)
+    clean = rng.integers(0, MASK, (ROWS, 2 * BLOCK))
+    noisy = np.where(rng.random((ROWS, 2 * BLOCK)) < 0.5, MASK, clean)
+    tokens = np.concatenate([clean, noisy], axis=1)
+    positions = np.tile(np.concatenate([np.arange(2 * BLOCK)] * 2), (ROWS, 1))
+    view_ids = np.tile(np.repeat([0, 0, 1, 2], BLOCK), (ROWS, 1))
+    valid = np.ones((ROWS, LENGTH), bool)
+    valid[0, -1] = False
+    layout = ViewLayout.create(tokens, positions, positions // BLOCK, view_ids, valid)
+    active = (view_ids > 0) & valid & (tokens == MASK)
+    weights = np.where(active, rng.uniform(0.5, 2.0, (ROWS, LENGTH)), 0.0).astype(np.float32)
+    targets = np.where(active, np.concatenate([clean, clean], axis=1), 0)
+    return DiffusionTokenBatch.create(layout, targets, weights, active.astype(np.float32))
+
+
+def _loss_and_grads(loss_fn, model, batch):
+    @eqx.filter_jit
+    def run(model, batch):
+        def total(m):
+            out = loss_fn(m, batch)
+            return out.loss.compute(), out
+
+        (value, out), grads = eqx.filter_value_and_grad(total, has_aux=True)(model)
+        return value, out, grads
+
+    return run(model, batch)
+
+
+def _value(metric):
+    return metric.compute() if hasattr(metric, "compute") else metric.value
+
+
+def _assert_same(whole, chunked):
+    value, out, grads = whole
+    value_c, out_c, grads_c = chunked
+    np.testing.assert_allclose(value_c, value, **TOL)
+    for key in out.aux:
+        np.testing.assert_allclose(_value(out_c.aux[key]), _value(out.aux[key]), **TOL, err_msg=key)
+    leaves, leaves_c = jax.tree.leaves(grads), jax.tree.leaves(grads_c)
+    assert len(leaves) == len(leaves_c)
+    for g, g_c in zip(leaves, leaves_c):
+        scale = float(jnp.max(jnp.abs(g))) or 1.0
+        np.testing.assert_allclose(g_c / scale, g / scale, rtol=0, atol=1e-5)
+    assert any(float(jnp.max(jnp.abs(g))) > 0 for g in leaves)
+
+
+def test_map_logits_is_the_whole_logits_chunk_by_chunk():
+    model, batch = _model(), _batch(0)
+    whole = model(batch.layout)
+    chunked = jax.jit(lambda layout: [map_logits(model, layout, lambda logits: logits, chunk=chunk)
+                                      for chunk in (1, *CHUNKS, LENGTH, 0)])
+    for got in chunked(batch.layout):
+        np.testing.assert_allclose(got, whole, **TOL)
+
+
+@pytest.mark.parametrize(("chunk", "tie"), [(4, False), (5, True)])
+def test_sft_loss_and_gradients_equal_the_whole_logits(chunk, tie):
+    model, batch = _model(tie), _batch(1)
+    loss_fn = lambda m, b: sft_objective(m, b)  # noqa: E731
+    _assert_same(_loss_and_grads(loss_fn, model, batch),
+                 _loss_and_grads(loss_fn, model.with_logits_chunk(chunk), batch))
+
+
+@pytest.mark.parametrize(("chunk", "config"), [
+    (5, OPDConfig()), (4, OPDConfig(temperature=2.0, hard_ce_weight=0.5)),
+    (5, OPDConfig(positions="masked", mask_id=MASK))], ids=["kl", "soft+hard", "masked"])
+def test_opd_loss_and_gradients_equal_the_whole_logits(chunk, config):
+    model, batch = _model(), _batch(2)
+    teacher = jnp.asarray(np.random.default_rng(3).normal(size=(ROWS, LENGTH, V)) * 3, jnp.float32)
+    distill = DistillationBatch(batch, teacher)
+    loss = make_opd_loss(config)
+    loss_fn = lambda m, b: loss(m, b, None)  # noqa: E731
+    _assert_same(_loss_and_grads(loss_fn, model, distill),
+                 _loss_and_grads(loss_fn, model.with_logits_chunk(chunk), distill))
+
+
+DISTRIBUTIONS = {
+    "model": SamplingDistribution(),
+    "filtered": SamplingDistribution(temperature=0.7, top_k=9, top_p=0.9, banned_ids=(MASK,)),
+}
+
+
+@pytest.mark.parametrize(("chunk", "name"), [(5, "model"), (4, "filtered")])
+def test_replay_logprobs_and_grpo_gradients_equal_the_whole_logits(chunk, name):
+    model, batch, distribution = _model(), _batch(4), DISTRIBUTIONS[name]
+    # targets among each position's 3 likeliest ids: inside every filter, so each has a gradient
+    rank = np.random.default_rng(6).integers(0, 3, (ROWS, LENGTH, 1))
+    likely = jnp.take_along_axis(jnp.argsort(-distribution.logprobs(model(batch.layout)), axis=-1), rank, axis=-1)
+    batch = dataclasses.replace(batch, targets=jnp.where(batch.weights > 0, likely[..., 0], 0))
+    chunked = model.with_logits_chunk(chunk)
+    score = eqx.filter_jit(lambda m: token_logprobs(m, batch, distribution, with_entropy=True))
+    whole, got = score(model), score(chunked)
+    for a, b in zip(whole, got):
+        np.testing.assert_allclose(b, a, **TOL)
+    old = jax.lax.stop_gradient(whole[0]) + 0.05 * jnp.asarray(np.random.default_rng(5).normal(size=(ROWS, LENGTH)))
+    grpo = GRPOBatch(batch, old, jnp.asarray([1.0, -0.5, 0.25]), ref_logp=old - 0.1)
+    loss = make_grpo_loss(GRPOConfig(beta=0.05), distribution_score(distribution))
+    loss_fn = lambda m, b: loss(m, b, None)  # noqa: E731
+    _assert_same(_loss_and_grads(loss_fn, model, grpo), _loss_and_grads(loss_fn, chunked, grpo))
+
+
+def test_logits_chunk_is_validated():
+    with pytest.raises(ValueError, match="logits_chunk"):
+        _model().config.replace(logits_chunk=-1)
