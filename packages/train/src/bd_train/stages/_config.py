@@ -173,6 +173,8 @@ class ModelSection:
         compute_dtype: the dtype of the forward pass's matmuls.
         remat: what the backward pass recomputes per layer: `elementwise` (cheap element-wise ops), `none`, `full`
             (the whole layer) or `save_matmuls`.
+        logits_chunk: positions per row whose logits the losses compute at a time (recomputed in the backward
+            pass), so the whole `[tokens, vocab]` logits are never held at once; 0: all at once.
         checkpoint: an SFT stage's checkpoint folder to adopt instead of training this role.
         pretrained: start from a Hugging Face checkpoint: a local folder, or a Hub repo id (`"org/name"`); its
             config sets the architecture.
