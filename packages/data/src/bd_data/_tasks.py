@@ -143,9 +143,9 @@ TASKS: dict[str, type[Task]] = {t.name: t for t in (SortTask, ArgsortTask, Addit
 """Every built-in task class by its name in `get_task` and `[task] name`."""
 # Measured (BENCHMARKS.md, bench/sft_weighting.py): 6-digit sort saturates at 100% within 300
 # steps, leaving nothing for distillation or GRPO; 6-digit argsort separates a 0.47M teacher from
-# an 86k student and keeps rising, so it is the pipeline's task. Plain addition is far too slow.
+# an 86k student and keeps rising (the `argsort` preset). Plain addition is far too slow.
 DEFAULT_TASK = "argsort"
-"""The task `get_task` and the default preset use: 6-digit argsort."""
+"""The task `get_task` and `[task] name` default to: 6-digit argsort."""
 
 
 def get_task(name: str, **params) -> Task:
