@@ -121,7 +121,7 @@ def test_the_loss_and_gradient_are_the_sft_ones_of_the_accepted_rows_for_any_mic
     init = lambda: Trainer(sft_objective, sgd).init(model, key=jax.random.key(1))  # noqa: E731
     reference, ref = Trainer(sft_objective, sgd).step(init(), only)
     assert float(ref["loss"]) > 0
-    for k in (1, 2, 4):
+    for k in (1, 4):
         state, metrics = Trainer(sft_objective, sgd, TrainerConfig(microbatches=k)).step(init(), weighted)
         for key in ("loss", "ce", "token_accuracy"):
             assert abs(float(metrics[key]) - float(ref[key])) <= 1e-6, (k, key)
