@@ -13,7 +13,8 @@ rollouts' reward and entropy and the cosine between the GRPO gradients of two in
   continue from the same checkpoint for the same wall-clock: at curve point U,
   `U x (GRPO s/update) / (control s/step)` steps (RFT: rounds), the per-step times measured on
   this host once per study (`budget`: short runs of the stages in turn).
-- `best_of` records best-of-n of the OPD model (n rollouts per held-out problem at the rollout
+- Every evaluation holds best-of-4 over its pass@4 samples (`best_of@4_logprob`, `best_of@4_vote`);
+  `best_of` records best-of-n of the OPD model (n rollouts per held-out problem at the rollout
   decoding, one chosen without the reference: by summed log-prob, or by vote), with pass@n and
   the NFE of a problem's n samples, to be set beside the GRPO and RFT arms' compute: their curve
   points keep each round's rollout `tokens` and `nfe_per_token`, so training NFE is their product.
@@ -49,12 +50,13 @@ from _report import ROOT, preset_data  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "rl_study"
 CONFIGS = ROOT / "flows" / "configs"
-# What every study changes in its preset: no accuracy-vs-NFE curve (pass@k stays), a checkpoint
-# only at each curve point's end, and the step count of a resumed stage may grow.
+# What every study changes in its preset: no accuracy-vs-NFE curve (pass@k stays, with best-of-4
+# over the same samples), a checkpoint only at each curve point's end, and the step count of a
+# resumed stage may grow.
 # (and the microbatch counts OPD and GRPO gained after the first chains were trained: 1 either way)
 STEPS = ["training.grpo.steps", "training.opd.steps", "training.sft.steps", "training.steps", "training.rft.steps",
          "training.opd.microbatches", "training.grpo.microbatches"]
-COMMON = {"eval": {"thresholds": [], "samples": 4},
+COMMON = {"eval": {"thresholds": [], "samples": 4, "best_of": ["logprob", "vote"]},
           "run": {"checkpoint_every": 100_000, "max_to_keep": 1, "allow_changes": STEPS}}
 
 
