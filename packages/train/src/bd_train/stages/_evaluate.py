@@ -2,12 +2,12 @@
 
 `evaluate` gives greedy accuracy (reward 1), mean reward, NFE per generated token and completion
 length, a few sample completions and one row's denoising trace as a picture for the card.
-`evaluate_report` adds what `[eval] samples` and `[eval] thresholds` ask for: pass@k with the
+`evaluate_report` adds what `[eval] samples`, `best_of` and `thresholds` ask for: pass@k with the
 unbiased estimator (`samples` rollouts per problem at the rollout decoding, `[grpo] sampler`),
-best-of-n over those same rollouts chosen without the reference (`[eval] best_of`, `_best_of`),
-and accuracy against NFE per token over decoding thresholds and one token per step. With a mesh, the
-prompts are split over its data axes and the sharded model samples them (every process takes
-part); completions are gathered so that every process scores them all.
+best-of-n over those same rollouts chosen without the reference (`_best_of`), and accuracy
+against NFE per token over decoding thresholds and one token per step. With a mesh, the prompts
+are split over its data axes and the sharded model samples them (every process takes part);
+completions are gathered so that every process scores them all.
 """
 
 from __future__ import annotations
