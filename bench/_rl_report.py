@@ -102,6 +102,23 @@ def ascent_table(arms: dict, seeds: list[int]) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
+def best_of_table(arms: dict, seeds: list[int]) -> list[str]:
+    """Best-of-n of the OPD model by each rule, pass@n and the NFE per problem, mean over seeds."""
+    records = {s: arms["best_of_opd"][s] for s in seeds if s in arms.get("best_of_opd", {})}
+    if not records:
+        return []
+    greedy = [r["greedy"] for r in records.values()]
+    lines = ["| n | best-of-n by log-prob | by vote | pass@n (oracle) | NFE per problem |", "|---|---|---|---|---|",
+             f"| greedy | {np.mean([g['accuracy'] for g in greedy]):.3f} | | | "
+             f"{np.mean([g['nfe_per_problem'] for g in greedy]):.1f} |"]
+    for n in sorted({p["n"] for r in records.values() for p in r["points"]}):
+        points = [p for r in records.values() for p in r["points"] if p["n"] == n]
+        cells = [f"{np.mean([p[k] for p in points]):.3f}" if all(k in p for p in points) else "—"
+                 for k in ("logprob", "vote", "pass_at_n")]
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {np.mean([p['nfe_per_problem'] for p in points]):.1f} |")
+    return lines
+
+
 def plot(data: dict, path: Path) -> None:
     import matplotlib
 
@@ -115,7 +132,8 @@ def plot(data: dict, path: Path) -> None:
     studies = [s for s in data if "base" in data[s] and s != "smoke" and has_curves(s)]
     fig, axes = plt.subplots(1, max(1, len(studies)), figsize=(5 * max(1, len(studies)), 3.6), squeeze=False)
     colors = {"grpo": "tab:red", "grpo_exact": "tab:purple", "grpo_positions": "tab:orange", "grpo_rloo": "tab:pink",
-              "opd_more": "tab:blue", "sft_more": "tab:green", "grpo_from_sft": "tab:brown", "grpo_g4": "tab:olive"}
+              "opd_more": "tab:blue", "sft_more": "tab:green", "rft": "tab:cyan", "grpo_from_sft": "tab:brown",
+              "grpo_g4": "tab:olive"}
     for ax, study in zip(axes[0], studies):
         arms, base = data[study], data[study]["base"]
         for name in [n for n in ARMS if n in arms and ARMS[n].start == "opd"]:
@@ -163,6 +181,12 @@ def report(results: Path) -> str:
                   "change in pass@1 at the rollout decoding (4 samples per problem). Controls (≙) ran for the "
                   "wall-clock of that many GRPO updates.", ""]
         lines += curve_table(arms, base, seeds) + [""]
+        best = best_of_table(arms, seeds)
+        if best:
+            lines += [f"Best-of-n of the OPD model at the rollout decoding, one of n samples chosen without the "
+                      f"reference answer, held-out accuracy, mean over {len(seeds)} seed(s) "
+                      "(`python bench/rl_study.py best_of`):", ""]
+            lines += best + [""]
         dynamics = dynamics_table(arms, seeds)
         if len(dynamics) > 2:
             lines += ["GRPO's own rollouts (temperature as the preset's `[grpo] sampler`) and gradients:", ""]

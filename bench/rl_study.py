@@ -8,9 +8,16 @@ rollouts' reward and entropy and the cosine between the GRPO gradients of two in
 
 - GRPO arms run with a constant learning rate, so the run to 32 updates continues the run to 8
   exactly (the stage resumes from its checkpoint with `[run] allow_changes` on its step count).
-- Control arms (`opd_more`, `sft_more`) continue OPD or SFT from the same checkpoint for the same
-  wall-clock: at curve point U, `U x (GRPO s/update) / (control s/step)` steps, the per-step times
-  measured on this host once per study (`budget`: short runs of the three stages in turn).
+- Control arms (`opd_more`, `sft_more`, and `rft`: rejection-sampling fine-tuning, the
+  verifier-only baseline that samples as GRPO does and takes SFT steps on the verified samples)
+  continue from the same checkpoint for the same wall-clock: at curve point U,
+  `U x (GRPO s/update) / (control s/step)` steps (RFT: rounds), the per-step times measured on
+  this host once per study (`budget`: short runs of the stages in turn).
+- Every evaluation holds best-of-4 over its pass@4 samples (`best_of@4_logprob`, `best_of@4_vote`);
+  `best_of` records best-of-n of the OPD model (n rollouts per held-out problem at the rollout
+  decoding, one chosen without the reference: by summed log-prob, or by vote), with pass@n and
+  the NFE of a problem's n samples, to be set beside the GRPO and RFT arms' compute: their curve
+  points keep each round's rollout `tokens` and `nfe_per_token`, so training NFE is their product.
 - `argsort_ar` is `argsort` with block_size 1: one token per block, an autoregressive LM whose
   trajectory likelihood is exact and whose GRPO is the textbook one.
 
@@ -20,7 +27,8 @@ skips points on disk. `report` rebuilds tables, the figure and the BENCHMARKS.md
 (`_rl_report.py`); `ascent` measures whether updates raise the reward on their own prompts and on
 others.
 
-    python bench/rl_study.py run --study argsort --arms grpo opd_more sft_more --seeds 0 1 2 --updates 8 32 128
+    python bench/rl_study.py run --study argsort --arms grpo opd_more sft_more rft --seeds 0 1 2 --updates 8 32 128
+    python bench/rl_study.py best_of --study argsort --seeds 0 1 2 --n 4 16 64
     python bench/rl_study.py report
 """
 
@@ -42,12 +50,13 @@ from _report import ROOT, preset_data  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "rl_study"
 CONFIGS = ROOT / "flows" / "configs"
-# What every study changes in its preset: no accuracy-vs-NFE curve (pass@k stays), a checkpoint
-# only at each curve point's end, and the step count of a resumed stage may grow.
+# What every study changes in its preset: no accuracy-vs-NFE curve (pass@k stays, with best-of-4
+# over the same samples), a checkpoint only at each curve point's end, and the step count of a
+# resumed stage may grow.
 # (and the microbatch counts OPD and GRPO gained after the first chains were trained: 1 either way)
-STEPS = ["training.grpo.steps", "training.opd.steps", "training.sft.steps", "training.steps",
+STEPS = ["training.grpo.steps", "training.opd.steps", "training.sft.steps", "training.steps", "training.rft.steps",
          "training.opd.microbatches", "training.grpo.microbatches"]
-COMMON = {"eval": {"thresholds": [], "samples": 4},
+COMMON = {"eval": {"thresholds": [], "samples": 4, "best_of": ["logprob", "vote"]},
           "run": {"checkpoint_every": 100_000, "max_to_keep": 1, "allow_changes": STEPS}}
 
 
@@ -76,7 +85,8 @@ CONTROL_OPTIM = {"lr": 1e-3, "schedule": "constant", "warmup_steps": 5}
 @dataclasses.dataclass(frozen=True)
 class Arm:
     """`stage` trains on from the chain's `start` checkpoint with `sections` over the study's
-    preset; a control (`stage` opd or sft) is matched in wall-clock to the GRPO arm `matches`."""
+    preset; a control (`stage` opd, sft or rft) is matched in wall-clock to the GRPO arm `matches`.
+    An RFT arm samples as the `grpo` arm does (its prompts per step, group size and sampler)."""
 
     stage: str
     start: str = "opd"
@@ -100,6 +110,8 @@ ARMS = {
     "grpo_lr3e-5": Arm("grpo", sections=_grpo(optim={"lr": 3e-5})),
     "opd_more": Arm("opd", sections={"opd": {"optim": CONTROL_OPTIM}}, matches="grpo"),
     "sft_more": Arm("sft", sections={"sft": {"optim": CONTROL_OPTIM}}, matches="grpo"),
+    # one SFT update per round on the round's verified samples (an unmeasured starting point)
+    "rft": Arm("rft", sections={"rft": {"updates_per_rollout": 1, "optim": CONTROL_OPTIM}}, matches="grpo"),
     "grpo_from_sft": Arm("grpo", start="sft", sections=_grpo()),
     "opd_from_sft": Arm("opd", start="sft", sections={"opd": {"optim": CONTROL_OPTIM}}, matches="grpo_from_sft"),
     "sft_from_sft": Arm("sft", start="sft", sections={"sft": {"optim": CONTROL_OPTIM}}, matches="grpo_from_sft"),
@@ -123,6 +135,16 @@ def study_config(study: str, seed: int, output_dir: Path, *sections: dict) -> di
     for extra in (spec.sections, COMMON, *sections):
         data = _merge(data, extra)
     return parse_pipeline_config(preset_data(data, seed=seed, output_dir=output_dir / study))
+
+
+def arm_sections(study: str, name: str, output_dir: Path) -> list[dict]:
+    """The sections an arm adds to the study's preset: an RFT arm first takes the `grpo` arm's
+    rollouts (prompts per step, group size, sampler), so the two sample alike."""
+    arm = ARMS[name]
+    if arm.stage != "rft":
+        return [arm.sections]
+    grpo = study_config(study, 0, output_dir, ARMS["grpo"].sections)["grpo"]
+    return [{"rft": {k: grpo[k] for k in ("prompts_per_step", "group_size", "sampler")}}, arm.sections]
 
 
 # -- results on disk ------------------------------------------------------------------------------
@@ -177,23 +199,33 @@ def chain(study: str, seed: int, output_dir: Path) -> dict[str, Any]:
     return results
 
 
+BUDGET_STAGES = (("grpo", 8), ("opd", 60), ("sft", 100), ("rft", 8))
+
+
 def budget(study: str, output_dir: Path, *, rounds: int = 3) -> dict[str, Any]:
-    """Seconds per compiled GRPO update (the `grpo` arm's setting) and per OPD and SFT step, for
-    matching controls to GRPO in wall-clock: measured once per study, from seed 0's chain, in
-    short runs of each stage taken in turn `rounds` times (so that a slow spell of the host
-    slows all three), medians kept in `budget.json`."""
+    """Seconds per compiled GRPO update (the `grpo` arm's setting), per OPD and SFT step and per
+    RFT round (the `rft` arm's), for matching controls to GRPO in wall-clock: measured once per
+    study, from seed 0's chain, in short runs of each stage taken in turn `rounds` times (so that
+    a slow spell of the host slows them all), medians kept in `budget.json`. A stage the file
+    lacks (one added after it was written) is measured in turn with GRPO again, and its time
+    scaled by the recorded GRPO time over the new one: its ratio to GRPO is then the one measured
+    side by side."""
     import shutil
 
-    from bd_train.stages import RunDir, run_grpo, run_opd, run_sft
+    from bd_train.stages import RunDir, run_grpo, run_opd, run_rft, run_sft
 
     path = RESULTS / study / "budget.json"
-    if path.exists():
-        return json.loads(path.read_text())
+    record: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    missing = [stage for stage, _ in BUDGET_STAGES if f"{stage}_seconds_per_step" not in record]
+    if not missing:
+        return record
+    measured = [stage for stage, _ in BUDGET_STAGES if stage in missing or stage == "grpo"]
     results = chain(study, 0, output_dir)
-    times: dict[str, list[float]] = {"grpo": [], "opd": [], "sft": []}
+    times: dict[str, list[float]] = {stage: [] for stage in measured}
     for r in range(rounds):
-        for stage, steps in (("grpo", 8), ("opd", 60), ("sft", 100)):
-            config = study_config(study, 0, output_dir, ARMS["grpo"].sections, {stage: {"steps": steps}},
+        for stage, steps in ((stage, steps) for stage, steps in BUDGET_STAGES if stage in measured):
+            extra = arm_sections(study, "rft", output_dir) if stage == "rft" else []
+            config = study_config(study, 0, output_dir, ARMS["grpo"].sections, *extra, {stage: {"steps": steps}},
                                   {"eval": {"n": 8, "samples": 0}})
             folder = output_dir / study / "pipeline" / f"budget-{stage}-{r}"
             shutil.rmtree(folder, ignore_errors=True)
@@ -202,12 +234,18 @@ def budget(study: str, output_dir: Path, *, rounds: int = 3) -> dict[str, Any]:
                 result = run_grpo(config, where, start=results["opd"])
             elif stage == "opd":
                 result = run_opd(config, where, teacher=results["teacher"], student=results["opd"])
+            elif stage == "rft":
+                result = run_rft(config, where, start=results["opd"])
             else:
                 result = run_sft(config, where, role="student", start=results["opd"])
             times[stage].append(_per_update(result.seconds) or float("nan"))
             shutil.rmtree(folder, ignore_errors=True)
-    record: dict[str, Any] = {f"{stage}_seconds_per_step": float(np.median(values)) for stage, values in times.items()}
-    record["rounds"] = times
+    medians = {stage: float(np.median(values)) for stage, values in times.items()}
+    scale = record["grpo_seconds_per_step"] / medians["grpo"] if "grpo_seconds_per_step" in record else 1.0
+    record.update({f"{stage}_seconds_per_step": medians[stage] * scale for stage in missing})
+    record.setdefault("rounds", {}).update({stage: times[stage] for stage in missing})
+    if scale != 1.0:  # GRPO measured again beside the new stages: what their times were scaled by
+        record["rounds"][f"grpo_beside_{'_'.join(missing)}"] = times["grpo"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     return record
@@ -261,7 +299,7 @@ def gradient_cosine(config: dict, checkpoint_dir: str, *, start_dir: str, seed: 
 
 
 def run_arm(study: str, seed: int, name: str, updates: list[int], output_dir: Path, results: dict[str, Any]) -> None:
-    from bd_train.stages import RunDir, run_grpo, run_opd, run_sft
+    from bd_train.stages import RunDir, run_grpo, run_opd, run_rft, run_sft
 
     arm = ARMS[name]
     record = load(study, seed, name)
@@ -276,26 +314,32 @@ def run_arm(study: str, seed: int, name: str, updates: list[int], output_dir: Pa
         if point in done:
             continue
         steps, matched = _steps(study, arm, point, output_dir)
-        section = {"grpo": "grpo", "opd": "opd", "sft": "sft"}[arm.stage]
-        config = study_config(study, seed, output_dir, arm.sections, {section: {"steps": steps}})
+        config = study_config(study, seed, output_dir, *arm_sections(study, name, output_dir),
+                              {arm.stage: {"steps": steps}})
         where = RunDir.create(config, run_id=f"seed{seed}-{name}")
         t0 = time.perf_counter()
         if arm.stage == "grpo":
             result = run_grpo(config, where, start=start)
         elif arm.stage == "opd":
             result = run_opd(config, where, teacher=results["teacher"], student=start)
+        elif arm.stage == "rft":
+            result = run_rft(config, where, start=start)
         else:
             result = run_sft(config, where, role="student", start=start)
-        previous = max((p["updates"] for p in record["points"] if p["updates"] < point), default=0)
+        # the stage step the previous curve point ended at (a control's rounds or steps, not GRPO's updates)
+        previous = config[arm.stage].get("updates_per_rollout", 1) * max(
+            (p.get("steps", p["updates"]) for p in record["points"] if p["updates"] < point), default=0)
         entry: dict[str, Any] = {"updates": point, "steps": steps, "evaluation": _evaluation(result.evaluation),
                                  "seconds": result.seconds, "wall_seconds": time.perf_counter() - t0}
         if matched is not None:
             entry["matched_grpo_seconds"] = matched
         per_update = _per_update(result.seconds)
-        if arm.stage == "grpo":
-            keys = ("reward_mean", "rollout_accuracy", "entropy", "clip_fraction", "loss")
+        if arm.stage in ("grpo", "rft"):  # rollout tokens x NFE per token: the round's sampling NFE
+            keys = ("reward_mean", "rollout_accuracy", "entropy", "clip_fraction", "loss", "accepted", "tokens",
+                    "nfe_per_token")
             entry["history"] = [{k: row[k] for k in ("step", *keys) if k in row}
                                 for row in result.history if row["step"] > previous]
+        if arm.stage == "grpo":
             entry["gradient_cosine"] = gradient_cosine(config, result.checkpoint_dir, start_dir=start.checkpoint_dir,
                                                         seed=seed, point=point)
             if per_update is not None and result.seconds is not None:  # the longest segment's measure is kept
@@ -308,6 +352,38 @@ def run_arm(study: str, seed: int, name: str, updates: list[int], output_dir: Pa
         ev = entry["evaluation"]
         print(f"{study} seed {seed} {name} @ {point} updates ({steps} steps): accuracy {ev['accuracy']:.3f}, "
               f"pass@1 {ev.get('pass@1', float('nan')):.3f}, {entry['wall_seconds']:.0f} s", flush=True)
+
+
+def best_of_opd(study: str, seed: int, output_dir: Path, ns: list[int]) -> dict:
+    """Best-of-n of the seed's OPD model for each n in `ns`: n rollouts of every held-out problem at
+    the `grpo` arm's rollout decoding, one chosen by summed log-prob and one by vote (neither reads
+    the reference), with pass@n (the oracle's choice) and the NFE of a problem's n samples; beside
+    them the OPD model's greedy NFE per problem. Kept in `seed<k>/best_of_opd.json`."""
+    import jax
+
+    from bd_train.stages import Run, best_of
+
+    record = load(study, seed, "best_of_opd")
+    done = {p["n"] for p in record["points"]}
+    results = chain(study, seed, output_dir)
+    greedy = results["opd"].evaluation
+    record["greedy"] = {"accuracy": greedy.accuracy, "nfe_per_problem": greedy.nfe_per_token * greedy.generated_tokens}
+    run = Run(study_config(study, seed, output_dir, ARMS["grpo"].sections))
+    model = None
+    for n in sorted(set(ns) - done):
+        if model is None:
+            model = run.restore_model(results["opd"].checkpoint_dir, run.model_config("student"),
+                                      run.identity("student"), what="the OPD checkpoint")
+        chosen = best_of(model, run, n, key=jax.random.key(30_000 + seed))
+        record["points"].append({"n": n, **{b.rule: b.accuracy for b in chosen}, "pass_at_n": chosen[0].pass_at_n,
+                                 "nfe_per_problem": chosen[0].nfe_per_problem,
+                                 "correct": {b.rule: "".join(str(int(c)) for c in b.correct) for b in chosen}})
+        record["points"].sort(key=lambda p: p["n"])
+        save(study, seed, "best_of_opd", record)
+        print(f"{study} seed {seed} OPD best-of-{n}: " + ", ".join(f"{b.rule} {b.accuracy:.3f}" for b in chosen)
+              + f", pass@{n} {chosen[0].pass_at_n:.3f}, {chosen[0].nfe_per_problem:.0f} NFE per problem", flush=True)
+    save(study, seed, "best_of_opd", record)
+    return record
 
 
 def ascent(study: str, seed: int, output_dir: Path, *, strategy: str, updates: int = 4, samples: int = 64) -> dict:
@@ -370,6 +446,11 @@ def main() -> None:
     diagnose.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     diagnose.add_argument("--strategies", nargs="+", default=["threshold", "random"])
     diagnose.add_argument("--output-dir", default=str(ROOT / "runs" / "rl_study"))
+    best = sub.add_parser("best_of", help="best-of-n of the OPD model, chosen without the reference answer")
+    best.add_argument("--study", choices=list(STUDIES), default="argsort")
+    best.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    best.add_argument("--n", type=int, nargs="+", default=[4, 16, 64])
+    best.add_argument("--output-dir", default=str(ROOT / "runs" / "rl_study"))
     sub.add_parser("report", help="tables and the BENCHMARKS.md section from the results on disk")
     parser.add_argument("--results", default=str(RESULTS), help="where curve points are kept (default: %(default)s)")
     args = parser.parse_args()
@@ -378,6 +459,10 @@ def main() -> None:
         for seed in args.seeds:
             for strategy in args.strategies:
                 ascent(args.study, seed, Path(args.output_dir), strategy=strategy)
+        return
+    if args.command == "best_of":
+        for seed in args.seeds:
+            best_of_opd(args.study, seed, Path(args.output_dir), args.n)
         return
     if args.command == "report":
         from _rl_report import write_report

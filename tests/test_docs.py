@@ -41,7 +41,7 @@ def test_site_builds_strict_and_references_every_exported_name(tmp_path):
     assert not missing, f"not in the API reference: {missing}"
     # the generated pages: every preset table, and the attention figure
     presets = (site / "reference" / "presets.html").read_text()
-    for table in ("[task]", "[sft.corruption]", "[grpo.optim]", "[student.lora]", "[mesh]", "[run]"):
+    for table in ("[task]", "[sft.corruption]", "[grpo.optim]", "[rft.sampler]", "[student.lora]", "[mesh]", "[run]"):
         assert table in presets, table
     assert "generated:" not in presets and "teacher_steps" in presets
     assert "student_grpo" in (site / "make-run.html").read_text()  # the printout, made from the committed summary

@@ -44,6 +44,19 @@ def test_countdown_grpo_is_the_studys_grpo_arm(tmp_path):
                                                                        study.opd)
 
 
+def test_the_studys_rft_arm_samples_as_its_grpo_arm(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from rl_study import arm_sections, study_config
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    study = pipeline_config(study_config("argsort", 0, tmp_path, *arm_sections("argsort", "rft", tmp_path)))
+    grpo = pipeline_config(study_config("argsort", 0, tmp_path, *arm_sections("argsort", "grpo", tmp_path))).grpo
+    rft = study.rft
+    assert (rft.prompts_per_step, rft.group_size, rft.sampler) == (grpo.prompts_per_step, grpo.group_size, grpo.sampler)
+    assert rft.min_reward == 1.0  # verified correct
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
@@ -60,6 +73,9 @@ def test_countdown_grpo_is_the_studys_grpo_arm(tmp_path):
         ("[opd]\nhard_ce_weight = 0.5\n", "opd.hard_ce_weight: hard CE needs a target at each distilled position"),
         ("[grpo.optim]\neps = 0.0\n", "grpo.optim.eps: expected a value > 0, got 0.0"),
         ("[sft.corruption]\nviews = 0\n", "sft.corruption.views: expected an int >= 1"),
+        ("[rft]\nmin_reward = 1.5\n", "rft.min_reward: expected a reward in [0, 1], got 1.5"),
+        ("[rft]\nprompts_per_step = 3\nmicrobatches = 2\ngroup_size = 1\n", "rft.microbatches: 2 does not divide"),
+        ("[eval]\nsamples = 0\nbest_of = ['vote']\n", "eval.best_of: expected no rules while samples = 0"),
     ],
 )
 def test_config_errors_name_the_key(text, message):

@@ -131,7 +131,7 @@ def test_imports_inside_bd_train_are_at_most_six_modules_deep():
 
 def test_stage_recipes_are_short_and_import_no_other_stage():
     graph = import_graph(ROOT / "packages" / "train" / "src" / "bd_train")
-    recipes = {f"bd_train.stages.{name}" for name in ("sft", "opd", "grpo")}
+    recipes = {f"bd_train.stages.{name}" for name in ("sft", "opd", "grpo", "rft")}
     for recipe in recipes:
         assert not graph[recipe] & recipes, f"{recipe} imports {sorted(graph[recipe] & recipes)}"
         path = ROOT / "packages" / "train" / "src" / "bd_train" / "stages" / f"{recipe.split('.')[-1]}.py"

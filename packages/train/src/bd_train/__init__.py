@@ -1,7 +1,7 @@
-"""bd_train: objectives (SFT, OPD, GRPO family), exact trace replay, the trainer, the training
-loop and Orbax checkpoints — the library half. The pipeline's stages live in `bd_train.stages`
-(import it on its own: it brings W&B, plots and the run config), multi-process start-up in
-`bd_train.distributed`.
+"""bd_train: objectives (SFT, OPD, GRPO family; RFT's batch of accepted samples), exact trace
+replay, the trainer, the training loop and Orbax checkpoints — the library half. The pipeline's
+stages live in `bd_train.stages` (import it on its own: it brings W&B, plots and the run
+config), multi-process start-up in `bd_train.distributed`.
 
 Every objective returns a `bd_core.LossOutput`; the trainer accumulates Σ∇numerator and
 Σdenominator over microbatches and devices and normalizes once. A model with LoRA adapters
@@ -40,6 +40,8 @@ from ._replay import ReplayBatch as ReplayBatch
 from ._replay import build_replay as build_replay
 from ._replay import replay_capacity as replay_capacity
 from ._replay import replay_views as replay_views
+from ._rft import rft_batch as rft_batch
+from ._rft import sampled_canvas as sampled_canvas
 from ._sft import sft_loss as sft_loss
 from ._sft import sft_objective as sft_objective
 from ._sft import token_cross_entropy as token_cross_entropy

@@ -1,12 +1,14 @@
 """Evaluate any checkpoint a bdlm stage wrote, or a Hugging Face checkpoint folder, on its own:
 
     python -m bd_train.evaluate --checkpoint runs/pipeline/<run>/checkpoints/grpo [--task NAME]
-                                [--samples K] [--n N] [--out results.json]
+                                [--samples K] [--best-of logprob vote] [--n N] [--out results.json]
     python -m bd_train.evaluate --checkpoint <HF folder> --config <preset.toml> [...]
 
 Reports greedy accuracy and mean reward, NFE per generated token, generated tokens per second
 (timed after compilation), pass@k with the unbiased estimator (K samples per problem at the
-rollout temperature, `[grpo] sampler`), and accuracy against NFE over decoding thresholds
+rollout temperature, `[grpo] sampler`), best-of-K over those samples chosen without the reference
+answer (`--best-of`: by the model's summed log-probs, or by majority vote; with the NFE of a
+problem's K samples), and accuracy against NFE over decoding thresholds
 (τ ∈ {0.5, 0.7, 0.9, 0.95} and one token per step) as a table, JSON and a plot. Greedy accuracy
 comes with Wilson's 95% score interval (a proportion of independent problems), each pass@k with
 a 95% percentile bootstrap interval over the problems (10,000 resamples of the per-problem
@@ -84,7 +86,8 @@ def _overridden(config: dict, task: str | None, n: int | None) -> dict:
 
 
 def evaluate(checkpoint: str | Path, *, task: str | None = None, samples: int = 4, n: int | None = None,
-             thresholds: tuple[float, ...] = THRESHOLDS, seed: int = 0, config: str | None = None) -> dict[str, Any]:
+             thresholds: tuple[float, ...] = THRESHOLDS, seed: int = 0, config: str | None = None,
+             best_of: tuple[str, ...] = ()) -> dict[str, Any]:
     """Every number of the module docstring for one checkpoint, as plain values (JSON-ready).
     `config`: a preset's TOML text, needed for a Hugging Face folder.
 
@@ -98,7 +101,7 @@ def evaluate(checkpoint: str | Path, *, task: str | None = None, samples: int = 
     """
     run, model = load(checkpoint, task=task, n=n, config=config)
     result = evaluate_report(model, run, key=jax.random.key(seed), samples=samples, thresholds=thresholds,
-                             timed=True)
+                             timed=True, best_of=best_of)
     metrics = result.metrics()
     per_problem = result.per_problem()
     correct = int(per_problem["accuracy"].sum())
@@ -107,6 +110,7 @@ def evaluate(checkpoint: str | Path, *, task: str | None = None, samples: int = 
     return {"checkpoint": str(checkpoint), "task": run.config.task.name, "n": result.n,
             "greedy": {k: v for k, v in metrics.items() if not k.startswith("pass@")},
             "samples_per_problem": samples, "pass_at_k": dict(result.pass_at_k), "intervals": intervals,
+            "best_of": [b.to_dict() for b in result.best_of],
             "accuracy_vs_nfe": [dataclasses.asdict(p) for p in result.accuracy_vs_nfe]}
 
 
@@ -122,6 +126,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"{greedy['mean_reward']:.3f}, NFE/token {greedy['nfe_per_token']:.3f}",
              "  ".join(f"{k} {v:.3f} {bounds(k)}" for k, v in report["pass_at_k"].items())
              + f"  ({report['samples_per_problem']} samples per problem; bootstrap 95% over problems)",
+             *(f"best-of-{b['n']} by {b['rule']}: accuracy {b['accuracy']:.3f} (pass@{b['n']} {b['pass_at_n']:.3f}), "
+               f"{b['nfe_per_problem']:.1f} NFE per problem" for b in report.get("best_of", ())),
              f"{'decoding':<14} {'accuracy':>9} {'NFE/token':>10} {'tokens/s':>10}"]
     lines += [f"{p['decoding']:<14} {p['accuracy']:>9.3f} {p['nfe_per_token']:>10.3f} {p['tokens_per_second']:>10.0f}"
               for p in report["accuracy_vs_nfe"]]
@@ -137,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="a preset TOML with task, canvas and tokenizer (for a Hugging Face folder)")
     parser.add_argument("--task", help="evaluate on this built-in task instead of the checkpoint's own")
     parser.add_argument("--samples", type=int, default=4, help="samples per problem for pass@k (default 4)")
+    parser.add_argument("--best-of", nargs="+", default=[], choices=("logprob", "vote"),
+                        help="also best-of-K over the K samples, chosen by the model's summed log-probs or by vote")
     parser.add_argument("--n", type=int, help="held-out problems (default: the checkpoint's [eval] n)")
     parser.add_argument("--out", help="write the results as JSON here, and the accuracy-vs-NFE plot beside it")
     args = parser.parse_args(argv)
@@ -148,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bd_train.evaluate: cannot read --config: {err}", file=sys.stderr)
         return 2
     try:
-        report = evaluate(args.checkpoint, task=args.task, samples=args.samples, n=args.n, config=preset)
+        report = evaluate(args.checkpoint, task=args.task, samples=args.samples, n=args.n, config=preset,
+                          best_of=tuple(dict.fromkeys(args.best_of)))
     except (StageError, ConfigError, CanvasOverflow, JsonlError, TokenizerError) as err:
         print(f"bd_train.evaluate: {err}", file=sys.stderr)
         return 2

@@ -139,7 +139,7 @@ class LoRASection:
     alpha: float = 16.0
     targets: tuple[str, ...] = ("wq", "wk", "wv", "wo")
     dropout: float = 0.0
-    stages: tuple[Literal["sft", "opd", "grpo"], ...] = ("sft", "opd", "grpo")
+    stages: tuple[Literal["sft", "opd", "grpo", "rft"], ...] = ("sft", "opd", "grpo", "rft")
 
     def __post_init__(self):
         try:  # validates rank, alpha, targets and dropout, naming the field
@@ -147,7 +147,7 @@ class LoRASection:
         except ConfigError as err:
             raise ConfigError(str(err).removeprefix("LoRAConfig.")) from None
         if not self.stages or len(set(self.stages)) != len(self.stages):
-            raise config_error("", "stages", list(self.stages), "distinct names from ['sft', 'opd', 'grpo']")
+            raise config_error("", "stages", list(self.stages), "distinct names from ['sft', 'opd', 'grpo', 'rft']")
 
     def lora_config(self):
         from bd_models import LoRAConfig
@@ -459,6 +459,37 @@ class GRPOSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class RFTSection:
+    """Rejection-sampling fine-tuning (`run_rft`, STaR/RFT): each of `steps` rounds samples
+    `group_size` completions of each of `prompts_per_step` prompts from the current model, keeps
+    those whose verifier reward is at least `min_reward`, and takes `updates_per_rollout` SFT
+    updates on them. `microbatches` splits each update's prompts_per_step x group_size rows into
+    that many parts accumulated inside the one update (exact)."""
+
+    steps: int = 40  # rounds: each samples afresh from the model as it then is
+    prompts_per_step: int = 16  # training prompts sampled per round
+    group_size: int = 8  # completions sampled per prompt
+    updates_per_rollout: int = 1  # SFT updates per round on its accepted completions, each with fresh masks
+    microbatches: int = 1
+    # A completion is kept when its verifier reward is at least this; 1.0, every task's full
+    # credit, keeps the verified-correct ones (0 would keep every sample: self-distillation).
+    min_reward: float = 1.0
+    optim: OptimSection = OptimSection(lr=1e-3, warmup_steps=5)  # a starting point, not a measured optimum
+    sampler: SamplerSection = SamplerSection(temperature=1.0)  # the rollout decoding, as [grpo] sampler
+    corruption: CorruptionConfig = CorruptionConfig()  # the masking of the kept completions, as [sft] corruption
+
+    def __post_init__(self):
+        _positive(steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.group_size,
+                  updates_per_rollout=self.updates_per_rollout, microbatches=self.microbatches)
+        if (self.prompts_per_step * self.group_size) % self.microbatches:
+            raise ConfigError(f"microbatches: {self.microbatches} does not divide the update's prompts_per_step x "
+                              f"group_size = {self.prompts_per_step * self.group_size} rows")
+        if not 0.0 <= self.min_reward <= 1.0:
+            raise config_error("", "min_reward", self.min_reward, "a reward in [0, 1]",
+                               "1.0 keeps the verified-correct completions")
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalSection:
     """The held-out evaluation every stage ends with, on problems never seen in training.
 
@@ -481,10 +512,19 @@ class EvalSection:
     # The accuracy-vs-NFE curve: [eval] sampler at each confidence threshold, then one token per
     # step; [] turns it off.
     thresholds: tuple[float, ...] = (0.5, 0.7, 0.9, 0.95)
+    # Best-of-n with n = samples: of the pass@k rollouts of each problem, the one these rules pick
+    # without the reference answer ("logprob": the largest sum of its tokens' log-probs in the
+    # exact trace; "vote": the most frequent completion) is scored; pass@n is its upper bound.
+    best_of: tuple[Literal["logprob", "vote"], ...] = ()
 
     def __post_init__(self):
         _positive(n=self.n, batch_size=self.batch_size)
         _nonneg(samples=self.samples)
+        if len(set(self.best_of)) != len(self.best_of):
+            raise config_error("", "best_of", list(self.best_of), "distinct rules from ['logprob', 'vote']")
+        if self.best_of and not self.samples:
+            raise config_error("", "best_of", list(self.best_of), "no rules while samples = 0",
+                               "best-of-n picks among the `samples` rollouts of each problem; set samples >= 1")
         for t in self.thresholds:
             if not 0.0 < t <= 1.0:
                 raise config_error("", "thresholds", list(self.thresholds), "confidence thresholds in (0, 1]")
@@ -569,6 +609,7 @@ class PipelineConfig:
     sft: SFTSection = SFTSection()
     opd: OPDSection = OPDSection()
     grpo: GRPOSection = GRPOSection()
+    rft: RFTSection = RFTSection()
     eval: EvalSection = EvalSection()
     run: RunSection = RunSection()
     mesh: MeshSection = MeshSection()

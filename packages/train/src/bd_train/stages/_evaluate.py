@@ -2,11 +2,12 @@
 
 `evaluate` gives greedy accuracy (reward 1), mean reward, NFE per generated token and completion
 length, a few sample completions and one row's denoising trace as a picture for the card.
-`evaluate_report` adds what `[eval] samples` and `[eval] thresholds` ask for: pass@k with the
-unbiased estimator (`samples` rollouts per problem at the rollout decoding, `[grpo] sampler`) and
-accuracy against NFE per token over decoding thresholds and one token per step. With a mesh, the
-prompts are split over its data axes and the sharded model samples them (every process takes
-part); completions are gathered so that every process scores them all.
+`evaluate_report` adds what `[eval] samples`, `best_of` and `thresholds` ask for: pass@k with the
+unbiased estimator (`samples` rollouts per problem at the rollout decoding, `[grpo] sampler`),
+best-of-n over those same rollouts chosen without the reference (`_best_of`), and accuracy
+against NFE per token over decoding thresholds and one token per step. With a mesh, the prompts
+are split over its data axes and the sharded model samples them (every process takes part);
+completions are gathered so that every process scores them all.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 from bd_data import Example, PromptBatch, prompt_dataset
 from bd_models import SamplerConfig, to_host
 
+from ._best_of import BestOfN, best_of_n
 from ._plots import accuracy_nfe_png, trace_png, trace_text
 from ._rollout import roll_out
 
@@ -71,7 +73,7 @@ class NFEPoint:
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
     """Held-out results of one model: the greedy numbers, sample completions and a trace picture;
-    with `evaluate_report`, also pass@k and the accuracy-vs-NFE curve (and its picture).
+    with `evaluate_report`, also pass@k, best-of-n and the accuracy-vs-NFE curve (and its picture).
 
     Attributes:
         accuracy: the share of exact answers (greedy by default).
@@ -87,6 +89,7 @@ class Evaluation:
         curve_png: the accuracy-vs-NFE plot.
         rewards: each problem's greedy reward, in order.
         correct_samples: each problem's count of correct pass@k samples.
+        best_of: best-of-n over the pass@k samples, one per `[eval] best_of` rule.
     """
 
     accuracy: float
@@ -104,11 +107,14 @@ class Evaluation:
     # were correct; two models evaluated on the same problems compare pairwise through them.
     rewards: tuple[float, ...] = dataclasses.field(default=(), repr=False)
     correct_samples: tuple[int, ...] = dataclasses.field(default=(), repr=False)
+    best_of: tuple[BestOfN, ...] = ()  # one per `[eval] best_of` rule, over the pass@k samples
 
     def metrics(self) -> dict[str, float | int]:
         """The numbers, by name (for tracking, tables and JSON)."""
+        best = {k: v for b in self.best_of for k, v in b.metrics().items()}
         return {"accuracy": self.accuracy, "mean_reward": self.mean_reward, "n": self.n,
-                "nfe_per_token": self.nfe_per_token, "generated_tokens": self.generated_tokens, **self.pass_at_k}
+                "nfe_per_token": self.nfe_per_token, "generated_tokens": self.generated_tokens, **self.pass_at_k,
+                **best}
 
     def per_problem(self) -> dict[str, np.ndarray]:
         """Each metric's value per problem, whose mean is the metric: greedy correctness (`accuracy`),
@@ -134,6 +140,7 @@ class _Decoded:
     generated: np.ndarray
     texts: list[str]
     first_trace: Any
+    logprobs: np.ndarray | None = None  # each row's summed committed log-probs, when asked for
 
     @property
     def nfe_per_token(self) -> float:
@@ -154,15 +161,16 @@ def eval_examples(run: Run) -> list[Example]:
 
 
 def _decode(model: Any, run: Run, examples: Sequence[Example], sampler: SamplerConfig, *, key: jax.Array,
-            mesh: jax.sharding.Mesh | None) -> _Decoded:
+            mesh: jax.sharding.Mesh | None, logprobs: bool = False) -> _Decoded:
     """Decode `examples` in `[eval] batch_size` batches (rounded up to a multiple of the mesh's
-    data shards; the last batch is padded so that every call reuses one compiled program)."""
+    data shards; the last batch is padded so that every call reuses one compiled program);
+    `logprobs`: keep each row's summed log-probs too."""
     cfg = run.config
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     batch_size = -(-min(cfg.eval.batch_size, len(examples)) // shards) * shards
     batches = prompt_dataset(list(examples), run.tokenizer, cfg.canvas, seed=0, batch_size=batch_size,
                              shard_index=0, shard_count=1, shuffle=False, num_epochs=1, drop_remainder=False)
-    rewards, nfe, generated, texts = [], [], [], []
+    rewards, nfe, generated, texts, sums = [], [], [], [], []
     first_trace = None
     for i in range(len(batches)):
         batch = cast(PromptBatch, batches[i])
@@ -177,9 +185,12 @@ def _decode(model: Any, run: Run, examples: Sequence[Example], sampler: SamplerC
         nfe.extend(out.nfe.tolist())
         generated.extend(out.generated.tolist())  # rows stop after their stop block
         texts.extend(out.texts)
+        if logprobs:
+            sums.extend(out.sequence_logprobs().tolist())
         if first_trace is None:
             first_trace = jax.tree.map(lambda x: x[0], to_host(jax.tree.map(lambda x: x[:1], out.rollout.trace)))
-    return _Decoded(np.asarray(rewards, np.float64), np.asarray(nfe), np.asarray(generated), texts, first_trace)
+    return _Decoded(np.asarray(rewards, np.float64), np.asarray(nfe), np.asarray(generated), texts, first_trace,
+                    np.asarray(sums, np.float64) if logprobs else None)
 
 
 def evaluate(model: Any, run: Run, *, key: jax.Array, title: str = "", mesh: jax.sharding.Mesh | None = None,
@@ -212,13 +223,34 @@ def _pass_at_k(correct: np.ndarray, samples: int) -> dict[str, float]:
     return {f"pass@{k}": float(np.mean([pass_at_k(samples, int(c), k) for c in correct])) for k in ks}
 
 
+def _sampled(model: Any, run: Run, samples: int, *, key: jax.Array, mesh: jax.sharding.Mesh | None,
+             sampler: SamplerSection | None = None, logprobs: bool = False) -> _Decoded:
+    """`samples` rollouts of every eval problem at `sampler` (default `[grpo] sampler`), rows
+    problem by problem."""
+    repeated = [e for e in eval_examples(run) for _ in range(samples)]
+    section = run.config.grpo.sampler if sampler is None else sampler
+    return _decode(model, run, repeated, run.sampler_config(section), key=key, mesh=mesh, logprobs=logprobs)
+
+
 def sampled_correct(model: Any, run: Run, samples: int, *, key: jax.Array,
                     mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
     """How many of `samples` rollouts per eval problem (at `[grpo] sampler`) were correct."""
-    examples = eval_examples(run)
-    repeated = [e for e in examples for _ in range(samples)]
-    decoded = _decode(model, run, repeated, run.sampler_config(run.config.grpo.sampler), key=key, mesh=mesh)
-    return (decoded.rewards.reshape(len(examples), samples) == 1.0).sum(axis=1)
+    decoded = _sampled(model, run, samples, key=key, mesh=mesh)
+    return (decoded.rewards.reshape(-1, samples) == 1.0).sum(axis=1)
+
+
+def best_of(model: Any, run: Run, n: int, rules: Sequence[str] = ("logprob", "vote"), *, key: jax.Array,
+            mesh: jax.sharding.Mesh | None = None, sampler: SamplerSection | None = None) -> tuple[BestOfN, ...]:
+    """Best-of-`n` by each rule over `n` rollouts of every eval problem at `sampler` (default
+    `[grpo] sampler`, as pass@k), with pass@n and the NFE per problem (`_best_of`)."""
+    decoded = _sampled(model, run, n, key=key, mesh=mesh, sampler=sampler, logprobs=True)
+    return _best_of_decoded(decoded, n, rules)
+
+
+def _best_of_decoded(decoded: _Decoded, n: int, rules: Sequence[str]) -> tuple[BestOfN, ...]:
+    assert decoded.logprobs is not None
+    return best_of_n(decoded.rewards.reshape(-1, n), decoded.texts, decoded.logprobs.reshape(-1, n),
+                     decoded.nfe, rules)
 
 
 def decoding_settings(sampler: SamplerSection, thresholds: Sequence[float]) -> list[tuple[str, SamplerSection]]:
@@ -259,18 +291,22 @@ def accuracy_vs_nfe(model: Any, run: Run, thresholds: Sequence[float], *, key: j
 
 def evaluate_report(model: Any, run: Run, *, key: jax.Array, title: str = "", mesh: jax.sharding.Mesh | None = None,
                     samples: int | None = None, thresholds: Sequence[float] | None = None,
-                    timed: bool = False) -> Evaluation:
+                    timed: bool = False, best_of: Sequence[str] | None = None) -> Evaluation:
     """`evaluate`, plus pass@k over `samples` (default `[eval] samples`; 0: none) rollouts per
-    problem and the accuracy-vs-NFE curve over `thresholds` (default `[eval] thresholds`; empty:
-    none) with its picture."""
+    problem, best-of-n over those rollouts by each of `best_of`'s rules (default `[eval] best_of`)
+    and the accuracy-vs-NFE curve over `thresholds` (default `[eval] thresholds`; empty: none)
+    with its picture."""
     section = run.config.eval
     samples = section.samples if samples is None else samples
     thresholds = section.thresholds if thresholds is None else thresholds
+    rules = section.best_of if best_of is None else best_of
     greedy = evaluate(model, run, key=key, title=title, mesh=mesh)
-    correct = sampled_correct(model, run, samples, key=key, mesh=mesh) if samples else np.zeros(0, np.int64)
+    decoded = _sampled(model, run, samples, key=key, mesh=mesh, logprobs=bool(rules)) if samples else None
+    correct = np.zeros(0, np.int64) if decoded is None else (decoded.rewards.reshape(-1, samples) == 1.0).sum(axis=1)
+    best = () if decoded is None or not rules else _best_of_decoded(decoded, samples, rules)
     curve = accuracy_vs_nfe(model, run, thresholds, key=key, mesh=mesh, timed=timed, known=greedy) if thresholds else ()
     picture = accuracy_nfe_png({title or "model": [dataclasses.asdict(p) for p in curve]},
                                title=f"{title} accuracy vs NFE".strip()) if curve else None
     return dataclasses.replace(greedy, pass_at_k=_pass_at_k(correct, samples) if samples else {},
                                samples_per_problem=samples, accuracy_vs_nfe=curve, curve_png=picture,
-                               correct_samples=tuple(int(c) for c in correct))
+                               correct_samples=tuple(int(c) for c in correct), best_of=best)

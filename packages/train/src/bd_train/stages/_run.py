@@ -60,7 +60,7 @@ from ._config_io import to_dict
 ROLES = ("teacher", "student")
 # Each stage's random stream: its key is `fold_in(key(seed), index)` and its data seed
 # `seed + index`. (The indices are the values earlier versions hard-coded, so runs reproduce.)
-STREAMS = {"sft-teacher": 0, "sft-student": 1, "opd": 2, "grpo": 3}
+STREAMS = {"sft-teacher": 0, "sft-student": 1, "opd": 2, "grpo": 3, "rft": 4}
 
 
 def stream(stage: str) -> int:
@@ -349,7 +349,7 @@ class Run:
     # -- LoRA ----------------------------------------------------------------------------------------
 
     def lora(self, role: str, stage: str) -> LoRAConfig | None:
-        """The role's LoRA adapters in `stage` (`sft`, `opd`, `grpo`); None: full fine-tuning."""
+        """The role's LoRA adapters in `stage` (`sft`, `opd`, `grpo`, `rft`); None: full fine-tuning."""
         section = getattr(self.config, role).lora
         return section.lora_config() if section is not None and stage in section.stages else None
 
