@@ -36,9 +36,11 @@ class BestOfN:
     correct: tuple[bool, ...] = dataclasses.field(default=(), repr=False)
 
     def metrics(self) -> dict[str, float]:
+        """`best_of@<n>_<rule>` (accuracy) and `nfe_per_problem@<n>`, as the summary and W&B name them."""
         return {f"best_of@{self.n}_{self.rule}": self.accuracy, f"nfe_per_problem@{self.n}": self.nfe_per_problem}
 
     def to_dict(self) -> dict[str, float | int | str]:
+        """Every field but the per-problem choices, JSON-ready."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "correct"}
 
 

@@ -464,7 +464,20 @@ class RFTSection:
     `group_size` completions of each of `prompts_per_step` prompts from the current model, keeps
     those whose verifier reward is at least `min_reward`, and takes `updates_per_rollout` SFT
     updates on them. `microbatches` splits each update's prompts_per_step x group_size rows into
-    that many parts accumulated inside the one update (exact)."""
+    that many parts accumulated inside the one update (exact).
+
+    Attributes:
+        steps: rounds; each samples afresh from the model as it then is.
+        prompts_per_step: training prompts sampled per round.
+        group_size: completions sampled per prompt.
+        updates_per_rollout: SFT updates per round on its accepted completions, each with fresh masks.
+        microbatches: parts each update's rows are split into (see above).
+        min_reward: a completion is kept when its verifier reward is at least this; 1.0, every task's full
+            credit, keeps the verified-correct ones (0 would keep every sample: self-distillation).
+        optim: the optimizer (`[rft.optim]`).
+        sampler: the rollout decoding (`[rft.sampler]`), as `[grpo] sampler`.
+        corruption: the masking of the kept completions (`[rft.corruption]`), as `[sft] corruption`.
+    """
 
     steps: int = 40  # rounds: each samples afresh from the model as it then is
     prompts_per_step: int = 16  # training prompts sampled per round
@@ -500,6 +513,8 @@ class EvalSection:
         sampler: the decoding of the accuracy table (`[eval.sampler]`; greedy by default).
         samples: rollouts per problem for pass@k at the `[grpo] sampler` decoding (0: off).
         thresholds: confidence thresholds of the accuracy-against-NFE curve, then one token per step (`[]`: off).
+        best_of: best-of-n over the pass@k samples, chosen without the answer: `"logprob"` (the sample the
+            model is most confident in, by its trace's log-probs) and/or `"vote"` (the most frequent answer).
     """
 
     n: int = 256

@@ -26,8 +26,8 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any
 
+from ._errors import StageError
 from ._intervals import Interval, paired_interval
-from ._run import StageError
 
 if TYPE_CHECKING:
     from ._evaluate import Evaluation

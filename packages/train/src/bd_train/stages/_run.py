@@ -56,6 +56,7 @@ from .._optim import OptimizerConfig
 from .._trainer import TrainState
 from ._config import OptimSection, PipelineConfig, SamplerSection, pipeline_config
 from ._config_io import to_dict
+from ._errors import StageError as StageError
 
 ROLES = ("teacher", "student")
 # Each stage's random stream: its key is `fold_in(key(seed), index)` and its data seed
@@ -71,10 +72,6 @@ ADAPTER_STREAMS = 100  # a stage's fresh LoRA adapters draw from stream 100 + it
 # How the model is computed, not what it computes (the implementations agree to float tolerance):
 # a stage may change these without invalidating the checkpoint it starts from.
 EXECUTION_FIELDS = ("attention", "q_tile", "k_tile", "remat", "logits_chunk")
-
-
-class StageError(RuntimeError):
-    """A stage refused to start or continue (mismatched checkpoint, missing file); nothing was lost."""
 
 
 @dataclasses.dataclass(frozen=True)
