@@ -61,6 +61,23 @@ def test_every_stage_compiles_for_v5e_with_exact_bytes_per_chip(tmp_path):
     assert {s["stage"] for s in plan["stages"]} == {"sft-teacher", "sft-student", "opd", "grpo"}
     assert {"rollouts", "teacher forward", "train step", "held-out decoding"} <= {p for s, p in programs if s == "opd"}
     assert ("grpo", "reference scoring") in programs  # smoke's GRPO has beta > 0
+    # The rollouts costed from one denoising step, which is its own cost twin (no loop inside).
+    config = Run(parse_pipeline_config(SMOKE.read_text())).config
+    for stage in ("opd", "grpo"):
+        step = programs[(stage, "rollouts: one denoising step")]
+        assert step["flops"] > 0 and step["seconds"] > 0 and step["params"] > 0
+        rollout = next(s for s in plan["stages"] if s["stage"] == stage)["rollout"]
+        section = config.opd if stage == "opd" else config.grpo
+        rows = section.prompts_per_step * (config.grpo.group_size if stage == "grpo" else 1)
+        blocks, cap = config.canvas.max_new_tokens // config.canvas.block_size, config.canvas.block_size
+        assert rollout["rows"] == rows and rollout["steps"] == blocks * cap
+        assert rollout["bound"] == "bandwidth" and rollout["bandwidth_seconds"] > rollout["compute_seconds"]
+        assert rollout["tokens_per_second_per_chip"] == pytest.approx(
+            rows * config.canvas.block_size / cap / step["seconds"] / 4)
+        assert rollout["batch_seconds"] == pytest.approx(step["seconds"] * blocks * cap)
+        assert 0 < rollout["share_of_step"] < 1
+        assert f"{stage}: rollouts: one denoising step of {rows} rows: est." in done.stdout
+    assert next(s for s in plan["stages"] if s["stage"] == "sft-teacher")["rollout"] is None
 
     setup = Run(parse_pipeline_config(SMOKE.read_text()))
     mesh = make_mesh(1, 2, 2, devices=jax.devices()[:4])
@@ -207,8 +224,9 @@ def test_a_batch_the_slice_cannot_split_is_planned_with_fewer_microbatches(tmp_p
     assert "planning it with [opd] microbatches = 2" in done.stderr and "planned with [opd]" in done.stdout
     programs = {p["program"]: p for p in opd["programs"]}
     assert {"teacher forward", "streamed step: accumulate", "streamed step: apply"} <= set(programs)
-    assert {name for name, p in programs.items() if p["seconds"]} == {"train step"}
-    assert {name for name, p in programs.items() if p["flops"] is not None} == {"train step"}
+    costed = {"train step", "rollouts: one denoising step"}  # the step has no loop: it is its own twin
+    assert {name for name, p in programs.items() if p["seconds"]} == costed
+    assert {name for name, p in programs.items() if p["flops"] is not None} == costed
 
 
 def test_largest_batch_doubles_the_configured_batch_while_the_stage_fits(tmp_path):

@@ -20,9 +20,11 @@ from bd_core import DistillationBatch, as_loss_output
 from bd_models import (
     ModelConfig,
     SamplerConfig,
+    batch_sharding,
     check_divisibility,
     has_adapters,
     lower,
+    lower_denoising_step,
     lower_sample,
     model_flops,
     token_logprobs,
@@ -72,6 +74,8 @@ class ProgramPlan:
         model_flops: the model's matmul FLOPs (train steps), for MFU.
         refused: the TPU compiler's out-of-memory message, when the program cannot run there.
         kernel_flops: FLOPs of splash kernels, which XLA's cost analysis cannot see into.
+        rollout: for one denoising step of the rollouts: {"rows", "tokens_per_step" (committed per
+            step at least: rows x block / steps cap), "steps" (of one rollout batch at most)}.
         memory_from: `xla` (the compiler's buffer assignment) or `logical` (a refused program: shapes' bytes).
         required: a refused program's total bytes per chip as the compiler named them, else None.
     """
@@ -94,6 +98,7 @@ class ProgramPlan:
     kernel_flops: float = 0.0  # splash's kernels, which XLA's cost analysis cannot see into (in `flops`)
     memory_from: str = "xla"  # "logical": a refused program's arguments and outputs from their shapes
     required: int | None = None  # a refused program's total, as the compiler's message names it
+    rollout: dict[str, float] | None = None  # one denoising step: rows, tokens_per_step, steps
 
     @property
     def peak(self) -> int:
@@ -119,6 +124,7 @@ class _Program:
     model_flops: float | None = None
     cost: tuple[Any, int] | None = None
     kernel_flops: float = 0.0
+    rollout: dict[str, float] | None = None
 
 
 def splash_flops(config: ModelConfig, tokens: tuple[int, int], passes: int, chips: int) -> float:
@@ -181,6 +187,30 @@ def _sampler_program(stage: str, name: str, make: Callable[[], Any], sampler: Sa
                     bytes_per_chip(model))
 
 
+def _denoising_step_program(stage: str, make: Callable[[], Any], sampler: SamplerConfig, rows: int,
+                            prompt_len: int, mesh: jax.sharding.Mesh) -> _Program:
+    """One step of the rollouts' denoising loop, as the sampler runs it: the block's noisy view of
+    every row against a KV cache of the whole canvas (its rows over the data axes; replicated over
+    `model`, an upper bound on its bytes there), sampling and the commit. The layers are a Python
+    loop in the cached forward, so XLA's cost analysis of this program is the step's whole work:
+    it is its own cost twin."""
+    abstract = eqx.filter_eval_shape(make)
+    model = place_state(abstract, abstract, mesh)
+    cache = eqx.filter_eval_shape(lambda: make().init_cache(rows, prompt_len + sampler.max_new_tokens))
+    rows_over = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding(mesh))  # noqa: E731
+    whole = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P()))  # noqa: E731
+    cache = eqx.tree_at(lambda c: (c.k, c.v, c.valid, c.block_ids, c.rope_cos, c.rope_sin), cache,
+                        (tuple(map(rows_over, cache.k)), tuple(map(rows_over, cache.v)), rows_over(cache.valid),
+                         rows_over(cache.block_ids), whole(cache.rope_cos), whole(cache.rope_sin)))
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=NamedSharding(mesh, P()))
+    lowered = lower_denoising_step(model, cache, sampler, prompt_len=prompt_len, key=key,
+                                   sharding=batch_sharding(mesh))
+    rollout = {"rows": rows, "tokens_per_step": rows * sampler.block_size / sampler.steps_cap,
+               "steps": sampler.num_blocks * sampler.steps_cap}
+    return _Program(stage, "rollouts: one denoising step", lowered, (model, cache, key), bytes_per_chip(model),
+                    cost=(lowered, 1), rollout=rollout)
+
+
 def _rows(rows: int, mesh: jax.sharding.Mesh) -> int:
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     return -(-rows // shards) * shards
@@ -220,7 +250,8 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
     replay = diffusion_batch(rows, length)
     make = model_maker(run, "student", stage)
     optimizer = make_optimizer(run.optimizer_config(section.optim, section.steps))
-    programs = [_sampler_program(stage, "rollouts", make, sampler, rows, canvas.prompt_len, mesh)]
+    programs = [_sampler_program(stage, "rollouts", make, sampler, rows, canvas.prompt_len, mesh),
+                _denoising_step_program(stage, make, sampler, rows, canvas.prompt_len, mesh)]
     if stage == "opd":
         teacher_make = model_maker(run, "teacher", "opd")
         teacher = eqx.filter_eval_shape(teacher_make)
@@ -355,4 +386,5 @@ def compile_program(program: _Program, chip: Any, memo: dict[str, _Figures] | No
     else:  # the scanned program's count holds one pass of each loop: not the work, so none
         flops = accessed = None
     return ProgramPlan(program.stage, program.program, *figures.memory, program.params, program.optimizer, flops,
-                       accessed, seconds, source, program.model_flops, kernel_flops=program.kernel_flops)
+                       accessed, seconds, source, program.model_flops, kernel_flops=program.kernel_flops,
+                       rollout=program.rollout)

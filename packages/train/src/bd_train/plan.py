@@ -11,7 +11,9 @@ parameter and optimizer-state bytes (logical), argument, output, temporary and g
 bytes (XLA's buffer assignment) against the HBM libtpu lets a program use; for the programs whose
 unrolled twin `--cost` compiles, the compiler's FLOPs and estimated seconds (its cost model, not a
 timing) and from them the estimated MFU (model matmul FLOPs over the chip's bf16 peak); a legend
-under the table says what each column is. A stage that does not fit is
+under the table says what each column is. OPD's and GRPO's rollouts are costed from one step of
+the sampler's denoising loop, compiled alone: its time, its bandwidth and compute bounds, tokens
+per second per chip, and one rollout batch's share of the stage's step. A stage that does not fit is
 re-planned with single changes — remat `full`, more microbatches, `fsdp` over the data axis,
 LoRA — and the first that fits is named; `--largest-batch` also finds each stage's largest batch
 per step that fits. No weights, data or tokenizer files are read: model
@@ -41,10 +43,10 @@ from bd_models import MeshError
 
 from ._plan_programs import COSTS, ProgramPlan, compile_program, stage_programs
 from ._plan_shapes import shapes_run
-from ._tpu import GiB, Topology, TopologyError, topology
+from ._tpu import Chip, GiB, Topology, TopologyError, topology
 
 __all__ = ["Plan", "ProgramPlan", "StagePlan", "compile_program", "format_plan", "largest_batch", "main", "plan",
-           "stage_programs"]
+           "rollout_cost", "stage_programs"]
 
 STAGES = ("sft", "opd", "grpo")
 EXIT_CODES = """exit codes:
@@ -62,12 +64,14 @@ class StagePlan:
         programs: one plan per compiled program.
         usable_hbm: the HBM bytes libtpu lets one program use on a chip (`Chip.usable_hbm`).
         remedy: for a stage that does not fit, the first single change that fits.
-        planned_with: for a batch the mesh cannot split, the change it was planned with."""
+        planned_with: for a batch the mesh cannot split, the change it was planned with.
+        rollout: OPD's and GRPO's rollouts costed (`rollout_cost`), or None."""
     stage: str
     programs: list[ProgramPlan]
     usable_hbm: int
     remedy: str | None = None  # for a stage that does not fit: the first single change that fits
     planned_with: str | None = None  # a stage whose batch the mesh cannot split: the change it was planned with
+    rollout: dict[str, Any] | None = None
 
     @property
     def peak(self) -> int:
@@ -107,7 +111,7 @@ class Plan:
         return {"preset": self.preset, "topology": self.topology, "mesh": self.mesh, "chips": self.chips,
                 "hosts": self.hosts, "hbm": self.hbm, "usable_hbm": self.usable_hbm, "peak_flops": self.peak_flops,
                 "stages": [{"stage": s.stage, "fits": s.fits, "peak": s.peak, "remedy": s.remedy,
-                            "planned_with": s.planned_with,
+                            "planned_with": s.planned_with, "rollout": s.rollout,
                             "programs": [{**dataclasses.asdict(p), "peak": p.peak} for p in s.programs]}
                            for s in self.stages]}
 
@@ -163,7 +167,38 @@ def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topolo
                 log(f"  {stage}: {program.program}: compiled before (the same StableHLO)")
             else:
                 log(f"  compiled {stage}: {program.program} in {time.perf_counter() - start:.0f} s")
-    return StagePlan(stage, programs, topo.chip.usable_hbm)
+    result = StagePlan(stage, programs, topo.chip.usable_hbm)
+    result.rollout = rollout_cost(result, topo.chip, topo.chips)
+    return result
+
+
+STEP_PARTS = ("train step", "reference scoring", "teacher forward")  # a step's programs besides its rollouts
+
+
+def rollout_cost(stage: StagePlan, chip: Chip, chips: int) -> dict[str, Any] | None:
+    """The rollouts of `stage` costed from its compiled denoising step (None for a stage without
+    one): the step's estimated seconds, its bandwidth (bytes accessed / HBM bandwidth) and compute
+    (FLOPs / bf16 peak) bounds and which is larger, tokens per second per chip at the estimate and
+    at the roofline (tokens committed per step at least: rows x block / steps cap, over the
+    slice's chips), one rollout batch's seconds at its most steps (blocks x steps cap; a threshold
+    rule or rows that stop early take fewer: an upper bound), and that batch's share of the
+    stage's step (rollouts + reference scoring or teacher forward + train step), where each of
+    those has an estimate."""
+    step = next((p for p in stage.programs if p.rollout and p.seconds and p.flops is not None), None)
+    if step is None or step.rollout is None or step.seconds is None or step.flops is None:
+        return None
+    bandwidth = (step.bytes_accessed or 0.0) / chip.hbm_bandwidth
+    compute = step.flops / chip.peak_flops
+    tokens = step.rollout["tokens_per_step"]
+    batch = step.seconds * step.rollout["steps"]
+    rest = [p.seconds for p in stage.programs if p.program in STEP_PARTS]
+    share = batch / (batch + sum(rest)) if rest and all(rest) else None  # type: ignore[arg-type]
+    return {"rows": int(step.rollout["rows"]), "tokens_per_step": tokens, "step_seconds": step.seconds,
+            "seconds_from": step.seconds_from, "bandwidth_seconds": bandwidth, "compute_seconds": compute,
+            "bound": "bandwidth" if bandwidth >= compute else "compute",
+            "tokens_per_second_per_chip": tokens / step.seconds / chips,
+            "roofline_tokens_per_second_per_chip": tokens / max(bandwidth, compute) / chips,
+            "steps": int(step.rollout["steps"]), "batch_seconds": batch, "share_of_step": share}
 
 
 def _microbatch_counts(config: dict, stage: str, mesh: dict[str, int]) -> tuple[str, int, list[int]]:
@@ -368,6 +403,11 @@ Columns (per chip; GiB = 2^30 bytes; nothing here ran on a TPU):
   samplers): the program's own count holds one pass of each loop, not its work.
 - est. MFU: the model's matmul FLOPs per chip (3x forward; 2x with LoRA, whose frozen weights get no
   gradient) / (est. s x bf16 peak); marked <=, an upper bound from a roofline time; empty without a time.
+- rollouts: one denoising step: the sampler's loop body alone (the block's noisy view of every row
+  against the KV cache of the whole canvas, sampling, the commit): no loop, so XLA's count is its work.
+  Under the verdicts: its bandwidth (bytes accessed / HBM bandwidth) and compute (FLOPs / peak) bounds,
+  tokens/s per chip (rows x block / steps cap tokens per step, over the chips), and one rollout batch at
+  its most steps (blocks x steps cap) against the stage's other programs' estimated times.
 Exit code: 0 every stage fits, 1 a stage does not fit, 2 an error."""
 
 
@@ -406,8 +446,23 @@ def format_plan(result: Plan) -> str:
             verdict += f"; planned with {stage.planned_with}"
         lines.append(f"{stage.stage}: peak {gib(stage.peak)} GiB of {gib(result.usable_hbm)} GiB usable per chip: "
                      f"{verdict}")
+        if stage.rollout:
+            lines.append(_rollout_line(stage.stage, stage.rollout))
     lines += ["", LEGEND]
     return "\n".join(lines)
+
+
+def _rollout_line(stage: str, r: dict[str, Any]) -> str:
+    share = "" if r["share_of_step"] is None else (
+        f", {100 * r['share_of_step']:.0f}% of the stage's estimated step (rollouts + "
+        f"{'teacher forward' if stage == 'opd' else 'reference scoring'} + train step)")
+    est = (">= " if r["seconds_from"] == "roofline" else "") + f"{r['step_seconds']:.3g} s"
+    return (f"{stage}: rollouts: one denoising step of {r['rows']} rows: est. {est} (bandwidth bound "
+            f"{r['bandwidth_seconds']:.3g} s, compute bound {r['compute_seconds']:.3g} s: {r['bound']}-bound); "
+            f"{r['tokens_per_second_per_chip']:.3g} tokens/s per chip at the estimate, "
+            f"{r['roofline_tokens_per_second_per_chip']:.3g} at the roofline ({r['tokens_per_step']:.3g} tokens "
+            f"committed per step at least); one rollout batch (<= {r['steps']} steps): <= {r['batch_seconds']:.3g} s"
+            f"{share}")
 
 
 def _seconds(p: ProgramPlan) -> str:
@@ -441,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", choices=["dense", "blocked", "shard_map", "splash"], default=None,
                         help="both models' attention (default: the preset's); splash is TPU's kernel")
     parser.add_argument("--cost", choices=COSTS, default="all",
-                        help="which programs get XLA's cost estimate (each needs a compile with every layer unrolled)")
+                        help="which programs get XLA's cost estimate (each needs a compile with every layer "
+                             "unrolled; the rollouts' denoising step, which has no loop, is costed always)")
     parser.add_argument("--largest-batch", action="store_true",
                         help="also find each stage's largest batch per step that fits (more compiles)")
     parser.add_argument("--json", default=None, help="also write the plan as JSON here")
