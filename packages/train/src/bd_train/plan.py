@@ -192,7 +192,8 @@ def rollout_cost(stage: StagePlan, chip: Chip, chips: int) -> dict[str, Any] | N
     tokens = step.rollout["tokens_per_step"]
     batch = step.seconds * step.rollout["steps"]
     rest = [p.seconds for p in stage.programs if p.program in STEP_PARTS]
-    share = batch / (batch + sum(rest)) if rest and all(rest) else None  # type: ignore[arg-type]
+    known = [t for t in rest if t]
+    share = batch / (batch + sum(known)) if rest and len(known) == len(rest) else None
     return {"rows": int(step.rollout["rows"]), "tokens_per_step": tokens, "step_seconds": step.seconds,
             "seconds_from": step.seconds_from, "bandwidth_seconds": bandwidth, "compute_seconds": compute,
             "bound": "bandwidth" if bandwidth >= compute else "compute",
