@@ -111,6 +111,8 @@ def table(results: dict[str, dict]) -> str:
                 roofline = step["seconds_from"] == "roofline"  # a lower bound on time: an upper bound on MFU
                 timing = (f"{'≥ ' if roofline else ''}{step['seconds']:.2f} s, "
                           f"{'≤ ' if roofline else ''}{100 * mfu:.0f}%")
+            elif step and step["flops"] is None:
+                timing = "not costed (no unrolled twin compiled)"
             elif step and not step["flops"]:
                 timing = "no estimate: XLA's cost analysis of its unrolled twin is empty"
             verdict = "yes" if stage["fits"] else f"no: {stage['remedy']}"

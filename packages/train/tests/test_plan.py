@@ -17,6 +17,8 @@ import pytest
 
 from bd_models import BlockDiffusionLM, make_mesh, param_partition_specs
 from bd_train import make_optimizer
+from bd_train._tpu import CHIPS, GiB, refusal_bytes
+from bd_train.plan import LEGEND, Plan, ProgramPlan, StagePlan, format_plan
 from bd_train.stages import Run, parse_pipeline_config
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -53,10 +55,29 @@ def test_every_stage_compiles_for_v5e_with_exact_bytes_per_chip(tmp_path):
     done, plan = _plan(tmp_path, SMOKE, "--topology", "v5e:2x2", "--mesh", "fsdp=2,model=2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert plan["chips"] == 4 and plan["hbm"] == 16 * 2**30 and plan["mesh"] == {"data": 1, "fsdp": 2, "model": 2}
+    assert plan["usable_hbm"] == CHIPS["v5e"].usable_hbm == int(15.75 * GiB)  # libtpu's figure, not the 16 GiB
+    assert "of which libtpu lets a program use 15.75 GiB" in done.stdout and LEGEND in done.stdout
     programs = {(s["stage"], p["program"]): p for s in plan["stages"] for p in s["programs"]}
     assert {s["stage"] for s in plan["stages"]} == {"sft-teacher", "sft-student", "opd", "grpo"}
     assert {"rollouts", "teacher forward", "train step", "held-out decoding"} <= {p for s, p in programs if s == "opd"}
     assert ("grpo", "reference scoring") in programs  # smoke's GRPO has beta > 0
+    # The rollouts costed from one denoising step, which is its own cost twin (no loop inside).
+    config = Run(parse_pipeline_config(SMOKE.read_text())).config
+    for stage in ("opd", "grpo"):
+        step = programs[(stage, "rollouts: one denoising step")]
+        assert step["flops"] > 0 and step["seconds"] > 0 and step["params"] > 0
+        rollout = next(s for s in plan["stages"] if s["stage"] == stage)["rollout"]
+        section = config.opd if stage == "opd" else config.grpo
+        rows = section.prompts_per_step * (config.grpo.group_size if stage == "grpo" else 1)
+        blocks, cap = config.canvas.max_new_tokens // config.canvas.block_size, config.canvas.block_size
+        assert rollout["rows"] == rows and rollout["steps"] == blocks * cap
+        assert rollout["bound"] == "bandwidth" and rollout["bandwidth_seconds"] > rollout["compute_seconds"]
+        assert rollout["tokens_per_second_per_chip"] == pytest.approx(
+            rows * config.canvas.block_size / cap / step["seconds"] / 4)
+        assert rollout["batch_seconds"] == pytest.approx(step["seconds"] * blocks * cap)
+        assert 0 < rollout["share_of_step"] < 1
+        assert f"{stage}: rollouts: one denoising step of {rows} rows: est." in done.stdout
+    assert next(s for s in plan["stages"] if s["stage"] == "sft-teacher")["rollout"] is None
 
     setup = Run(parse_pipeline_config(SMOKE.read_text()))
     mesh = make_mesh(1, 2, 2, devices=jax.devices()[:4])
@@ -70,9 +91,16 @@ def test_every_stage_compiles_for_v5e_with_exact_bytes_per_chip(tmp_path):
         step = programs[(stage, "train step")]
         assert step["params"] == params, stage
         assert step["optimizer"] == 2 * params + scalars, stage  # AdamW's two moments mirror the weights
-        assert step["argument"] >= step["params"] + step["optimizer"] and step["peak"] > 0
+        # Logical bytes below XLA's: TPU layouts pad the tiny model's small dimensions to tiles.
+        assert step["argument"] > step["params"] + step["optimizer"] and step["peak"] > 0
+        assert step["memory_from"] == "xla" and step["required"] is None
         assert step["flops"] > 0 and step["seconds"] > 0 and step["model_flops"] > 0
-        assert programs[(stage, "held-out decoding")]["params"] == params
+        decoding = programs[(stage, "held-out decoding")]
+        assert decoding["params"] == params
+        # No unrolled twin for a sampler: no FLOPs, bytes accessed or time rather than one loop pass's.
+        assert decoding["flops"] is None and decoding["bytes_accessed"] is None and decoding["seconds"] is None
+        row = next(line for line in done.stdout.splitlines() if line.startswith(f"| {stage} | held-out decoding |"))
+        assert row.endswith("% |  |  |  |"), row
     # The student's held-out decoding is one program in every stage: compiled once, its figures reused.
     assert done.stderr.count("compiled sft-student: held-out decoding in") == 1
     decoding = programs[("sft-student", "held-out decoding")]
@@ -108,6 +136,17 @@ def test_a_preset_that_does_not_fit_is_refused_with_the_change_that_fits(tmp_pat
     assert done.returncode == 1, done.stderr[-3000:]
     teacher = next(s for s in plan["stages"] if s["stage"] == "sft-teacher")
     assert not teacher["fits"] and teacher["peak"] > 16 * 2**30
+    # The compiler refuses the train step; its arguments are the state's logical bytes (at least the
+    # weights and AdamW moments), not 0, and its peak the total the compiler named.
+    step = next(p for p in teacher["programs"] if p["program"] == "train step")
+    required, available = refusal_bytes(step["refused"])
+    assert step["memory_from"] == "logical" and step["peak"] == step["required"] == required
+    assert step["argument"] >= step["params"] + step["optimizer"] > 15 * GiB and step["temp"] > 0
+    assert step["argument"] + step["output"] - step["alias"] + step["temp"] == required
+    assert available == CHIPS["v5e"].usable_hbm  # the chip table holds libtpu's own figure
+    assert "| sft-teacher | train step | 5.00 | 10.01 | 15.01 (logical) |" in done.stdout
+    # `--cost none`: no program has FLOPs or a time.
+    assert all(p["flops"] is None and p["seconds"] is None for s in plan["stages"] for p in s["programs"])
     assert teacher["remedy"].startswith("fits with [mesh] fsdp = 4, data = 1"), teacher["remedy"]
     assert "sft-teacher: peak" in done.stdout and "DOES NOT FIT: fits with [mesh] fsdp = 4" in done.stdout
     assert next(s for s in plan["stages"] if s["stage"] == "sft-student")["fits"]
@@ -120,6 +159,44 @@ def test_without_libtpu_the_plan_says_how_to_get_it(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "make plan-env" in done.stderr
+
+
+def _program(peak: int, **changes) -> ProgramPlan:
+    figures = {"argument": peak, "output": 0, "alias": 0, "temp": 0, "code": 0, "params": peak // 3,
+               "optimizer": 2 * (peak // 3), "flops": None, "bytes_accessed": None, "seconds": None}
+    return ProgramPlan("grpo", "train step", **(figures | changes))
+
+
+def _one_stage_plan(*programs: ProgramPlan) -> Plan:
+    chip = CHIPS["v5e"]
+    return Plan("tiny", "v5e:2x2", {"data": 4, "fsdp": 1, "model": 1}, 4, 1, chip.hbm, chip.peak_flops,
+                [StagePlan("grpo", list(programs), chip.usable_hbm)], chip.usable_hbm)
+
+
+def test_the_verdict_compares_against_the_hbm_libtpu_lets_a_program_use():
+    """A stage whose peak lies between libtpu's 15.75 GiB and the chip's 16 GiB would be refused
+    by the compiler: it does not fit; its figures not computed are empty cells, not 0."""
+    between = _one_stage_plan(_program(int(15.9 * GiB)))
+    assert not between.stages[0].fits and _one_stage_plan(_program(int(15.7 * GiB))).stages[0].fits
+    text = format_plan(between)
+    assert "grpo: peak 15.90 GiB of 15.75 GiB usable per chip: DOES NOT FIT" in text
+    assert "| grpo | train step | 5.30 | 10.60 | 15.90 | 0.00 | 0.00 | 0.0 | 15.90 | 101% |  |  |  |" in text
+    refused = _program(int(2 * GiB), temp=int(20 * GiB), memory_from="logical", required=int(22 * GiB),
+                       refused="RESOURCE_EXHAUSTED: Ran out of memory on HBM")
+    assert "| 2.00 (logical) | 0.00 (logical) | 20.00 (rest) | 0.0 | 22.00 | 140% |" in format_plan(
+        _one_stage_plan(refused))
+    costed = _program(GiB, flops=2e12, bytes_accessed=1e9, seconds=0.02, seconds_from="roofline", model_flops=1e12)
+    assert "| 2 | >= 0.02 | <= 25% |" in format_plan(_one_stage_plan(costed))
+
+
+def test_the_exit_codes_are_documented():
+    import bd_train.plan
+
+    done = subprocess.run([sys.executable, "-m", "bd_train.plan", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0
+    for doc in (done.stdout, bd_train.plan.__doc__ or "", LEGEND):
+        assert "0" in doc and "1 a stage does not fit" in " ".join(doc.split()).replace("1  a", "1 a"), doc
 
 
 def test_unknown_topologies_and_meshes_are_refused_by_name(tmp_path):
@@ -147,7 +224,9 @@ def test_a_batch_the_slice_cannot_split_is_planned_with_fewer_microbatches(tmp_p
     assert "planning it with [opd] microbatches = 2" in done.stderr and "planned with [opd]" in done.stdout
     programs = {p["program"]: p for p in opd["programs"]}
     assert {"teacher forward", "streamed step: accumulate", "streamed step: apply"} <= set(programs)
-    assert {name for name, p in programs.items() if p["seconds"]} == {"train step"}
+    costed = {"train step", "rollouts: one denoising step"}  # the step has no loop: it is its own twin
+    assert {name for name, p in programs.items() if p["seconds"]} == costed
+    assert {name for name, p in programs.items() if p["flops"] is not None} == costed
 
 
 def test_largest_batch_doubles_the_configured_batch_while_the_stage_fits(tmp_path):

@@ -43,6 +43,7 @@ from ._lora import trainable_filter as trainable_filter
 from ._lora import weights_digest as weights_digest
 from ._lora import with_dropout_keys as with_dropout_keys
 from ._lowering import lower as lower
+from ._lowering import lower_denoising_step as lower_denoising_step
 from ._lowering import lower_sample as lower_sample
 from ._mask import tile_needed as tile_needed
 from ._model import BlockDiffusionLM as BlockDiffusionLM

@@ -130,6 +130,38 @@ def _commit_set(conf, masked, step, key, config: SamplerConfig):
     return masked & (pick | (step == config.steps_cap - 1))
 
 
+def _denoise(state: _Block, logits, j, live, key, config: SamplerConfig, first_block) -> _Block:
+    """Sample block `j`'s masked positions from its `logits` `[B, b, V]`, commit a set, record it."""
+    cap = config.steps_cap
+    step_key = jax.random.fold_in(jax.random.fold_in(key, j), state.step)
+    distribution = config.distribution
+    logp = distribution.logprobs(logits)
+    tokens = gumbel_max(step_key, logp)
+    # one rule: confidence is the model's own (unfiltered, temperature-1) belief in the sampled
+    # token, so temperature, top-k and top-p change what is sampled, never how much commits
+    conf = confidence(distribution.unfiltered().logprobs(logits), tokens, config.confidence)
+    commit = _commit_set(conf, state.masked, state.step, jax.random.fold_in(step_key, 1), config)
+    commit = commit & live[:, None]
+    trace = _record(state.trace, j * cap + state.step, first_block + j, commit, tokens,
+                    token_logprob(logp, tokens), live)
+    return _Block(state.step + 1, jnp.where(commit, tokens, state.tokens), state.masked & ~commit, trace,
+                  state.nfe + live.astype(jnp.int32))
+
+
+def _denoising_step(model, cache, layers, state: _Block, j, active, key, config: SamplerConfig,
+                    prompt_len: int) -> _Block:
+    """One step of block `j`'s denoising loop after its first (the loop's body): the block's noisy
+    view against the KV cache, then `_denoise` for the rows still `active` with masked positions.
+    `lower_denoising_step` lowers it alone, for a plan's per-step cost."""
+    b = config.block_size
+    first_block = prompt_len // b
+    positions = prompt_len + j * b + jnp.arange(b, dtype=jnp.int32)
+    live = active & jnp.any(state.masked, axis=-1)
+    logits, _ = model.forward_cached(_layout(state.tokens, positions, first_block + j, NOISY_VIEW, True), cache,
+                                     layers=layers)
+    return _denoise(state, logits, j, live, key, config, first_block)
+
+
 def _generate(model, prompt_tokens, prompt_valid, key, config: SamplerConfig):
     batch, prompt_len = prompt_tokens.shape
     b, n_blocks, cap = config.block_size, config.num_blocks, config.steps_cap
@@ -146,19 +178,7 @@ def _generate(model, prompt_tokens, prompt_valid, key, config: SamplerConfig):
         nfe = nfe + 1
 
     def denoise(state: _Block, logits, j, live) -> _Block:
-        step_key = jax.random.fold_in(jax.random.fold_in(key, j), state.step)
-        distribution = config.distribution
-        logp = distribution.logprobs(logits)
-        tokens = gumbel_max(step_key, logp)
-        # one rule: confidence is the model's own (unfiltered, temperature-1) belief in the sampled
-        # token, so temperature, top-k and top-p change what is sampled, never how much commits
-        conf = confidence(distribution.unfiltered().logprobs(logits), tokens, config.confidence)
-        commit = _commit_set(conf, state.masked, state.step, jax.random.fold_in(step_key, 1), config)
-        commit = commit & live[:, None]
-        trace = _record(state.trace, j * cap + state.step, first_block + j, commit, tokens,
-                        token_logprob(logp, tokens), live)
-        return _Block(state.step + 1, jnp.where(commit, tokens, state.tokens), state.masked & ~commit, trace,
-                      state.nfe + live.astype(jnp.int32))
+        return _denoise(state, logits, j, live, key, config, first_block)
 
     def block_body(carry):
         j, cache, canvas, canvas_valid, done, prev_tokens, prev_valid, trace, nfe = carry
@@ -179,8 +199,7 @@ def _generate(model, prompt_tokens, prompt_valid, key, config: SamplerConfig):
             return active & jnp.any(s.masked, axis=-1)
 
         def step_body(s: _Block) -> _Block:
-            logits, _ = model.forward_cached(noisy(s.tokens), cache, layers=layers)
-            return denoise(s, logits, j, live(s))
+            return _denoising_step(model, cache, layers, s, j, active, key, config, prompt_len)
 
         state = jax.lax.while_loop(lambda s: (s.step < cap) & jnp.any(live(s)), step_body, state)
         block = jnp.where(active[:, None], state.tokens, config.pad_id)

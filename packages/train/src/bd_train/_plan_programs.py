@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -20,9 +20,11 @@ from bd_core import DistillationBatch, as_loss_output
 from bd_models import (
     ModelConfig,
     SamplerConfig,
+    batch_sharding,
     check_divisibility,
     has_adapters,
     lower,
+    lower_denoising_step,
     lower_sample,
     model_flops,
     token_logprobs,
@@ -35,6 +37,7 @@ from ._optim import make_optimizer
 from ._plan_shapes import bytes_per_chip, diffusion_batch, model_maker, place_batch, place_state, sds
 from ._replay import replay_capacity
 from ._sft import sft_objective
+from ._tpu import refusal_bytes
 from ._trainer import Trainer, TrainerConfig, TrainState
 
 COSTS = ("all", "train step", "none")  # which programs a plan costs (`stage_programs`)
@@ -46,6 +49,14 @@ class ProgramPlan:
     weights and `optimizer` optimizer state), outputs, aliased buffers, temporaries and generated
     code; the compiler's FLOPs and estimated seconds; the model's matmul FLOPs (train steps).
 
+    `params` and `optimizer` are logical bytes (each shard's elements times its dtype's size);
+    `argument`, `output`, `alias`, `temp` and `code` are XLA's buffer assignment (`memory_from`
+    "xla": TPU layouts pad small dimensions to tiles, so arguments exceed the logical bytes), or,
+    for a program the compiler refuses (`memory_from` "logical"), the arguments' and outputs'
+    logical bytes and the rest of the total the compiler named (`required`) as temporaries.
+    `flops`, `bytes_accessed` and `seconds` are None where no unrolled twin was costed (`--cost`,
+    and the samplers): the scanned program's own count holds one pass of each loop, not the work.
+
     Attributes:
         stage: the stage the program belongs to.
         program: which program (`train step`, `rollout`, ...).
@@ -54,15 +65,19 @@ class ProgramPlan:
         alias: bytes of outputs that reuse argument buffers.
         temp: bytes of temporaries per chip.
         code: bytes of generated code.
-        params: bytes of model weights among the arguments.
-        optimizer: bytes of optimizer state among the arguments.
-        flops: the compiler's FLOPs per chip.
-        bytes_accessed: the compiler's bytes accessed per chip.
+        params: logical bytes of model weights among the arguments.
+        optimizer: logical bytes of optimizer state among the arguments.
+        flops: the compiler's FLOPs per chip from the unrolled twin, or None where none was costed.
+        bytes_accessed: the compiler's bytes accessed per chip from the unrolled twin, or None.
         seconds: the estimated seconds, or None.
         seconds_from: `xla` (the compiler's estimate) or `roofline` (max of FLOPs / peak, bytes / bandwidth).
         model_flops: the model's matmul FLOPs (train steps), for MFU.
         refused: the TPU compiler's out-of-memory message, when the program cannot run there.
         kernel_flops: FLOPs of splash kernels, which XLA's cost analysis cannot see into.
+        rollout: for one denoising step of the rollouts: {"rows", "tokens_per_step" (committed per
+            step at least: rows x block / steps cap), "steps" (of one rollout batch at most)}.
+        memory_from: `xla` (the compiler's buffer assignment) or `logical` (a refused program: shapes' bytes).
+        required: a refused program's total bytes per chip as the compiler named them, else None.
     """
 
     stage: str
@@ -74,33 +89,42 @@ class ProgramPlan:
     code: int
     params: int
     optimizer: int
-    flops: float
-    bytes_accessed: float
+    flops: float | None
+    bytes_accessed: float | None
     seconds: float | None
     seconds_from: str = ""  # "xla": the compiler's estimate; "roofline": max(FLOPs / peak, bytes / bandwidth)
     model_flops: float | None = None
     refused: str | None = None  # the TPU compiler's own out-of-memory message: the program cannot run there
     kernel_flops: float = 0.0  # splash's kernels, which XLA's cost analysis cannot see into (in `flops`)
+    memory_from: str = "xla"  # "logical": a refused program's arguments and outputs from their shapes
+    required: int | None = None  # a refused program's total, as the compiler's message names it
+    rollout: dict[str, float] | None = None  # one denoising step: rows, tokens_per_step, steps
 
     @property
     def peak(self) -> int:
-        """Bytes live at once on a chip: inputs, outputs (less what they alias), temporaries, code."""
+        """Bytes live at once on a chip: inputs, outputs (less what they alias), temporaries, code;
+        for a refused program, the total the compiler named."""
+        if self.required is not None:
+            return self.required
         return self.argument + self.output - self.alias + self.temp + self.code
 
 
 @dataclasses.dataclass
 class _Program:
-    """A lowered program; `cost` (with its multiplicity) is the same computation with the layers
-    unrolled, lowered only for XLA's cost analysis, which counts a loop body once."""
+    """A lowered program and `arguments`, the placed shapes it was lowered with; `cost` (with its
+    multiplicity) is the same computation with the layers unrolled, lowered only for XLA's cost
+    analysis, which counts a loop body once."""
 
     stage: str
     program: str
     lowered: Any
+    arguments: Any
     params: int = 0
     optimizer: int = 0
     model_flops: float | None = None
     cost: tuple[Any, int] | None = None
     kernel_flops: float = 0.0
+    rollout: dict[str, float] | None = None
 
 
 def splash_flops(config: ModelConfig, tokens: tuple[int, int], passes: int, chips: int) -> float:
@@ -132,7 +156,8 @@ def _train_programs(stage: str, trainer: Trainer, make: Callable[[], Any], batch
     with unroll_layers():
         costed = (one.lower(state, place_batch(micro, mesh)), microbatches) if cost != "none" else None
     kernel = splash_flops(model_config, tokens, 3, mesh.size)
-    out = [_Program(stage, "train step", trainer.lower(state, place_batch(batch, mesh)), params, optimizer, flops,
+    placed = place_batch(batch, mesh)
+    out = [_Program(stage, "train step", trainer.lower(state, placed), (state, placed), params, optimizer, flops,
                     costed, kernel)]
     if microbatches > 1:
         streaming = Trainer(trainer.loss_fn, trainer.optimizer, TrainerConfig(streaming=True, donate=True))
@@ -142,12 +167,13 @@ def _train_programs(stage: str, trainer: Trainer, make: Callable[[], Any], batch
                                                                  streaming=True, like=like))
         state = place_state(abstract, abstract.model, mesh)
         for update, name in ((False, "streamed step: accumulate"), (True, "streamed step: apply")):
-            lowered = streaming.lower(state, place_batch(micro, mesh), is_update_step=update)
+            placed = place_batch(micro, mesh)
+            lowered = streaming.lower(state, placed, is_update_step=update)
             with unroll_layers():
                 costed = ((streaming.lower(state, place_batch(micro, mesh), is_update_step=update), 1)
                           if cost == "all" else None)
-            out.append(_Program(stage, name, lowered, params, optimizer, flops / microbatches, costed,
-                                kernel / microbatches))
+            out.append(_Program(stage, name, lowered, (state, placed), params, optimizer, flops / microbatches,
+                                costed, kernel / microbatches))
     return out
 
 
@@ -157,7 +183,32 @@ def _sampler_program(stage: str, name: str, make: Callable[[], Any], sampler: Sa
     model = place_state(abstract, abstract, mesh)
     tokens, valid = place_batch((sds((rows, prompt_len), jnp.int32), sds((rows, prompt_len), jnp.bool_)), mesh)
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=NamedSharding(mesh, P()))
-    return _Program(stage, name, lower_sample(model, tokens, valid, sampler, key=key), bytes_per_chip(model))
+    return _Program(stage, name, lower_sample(model, tokens, valid, sampler, key=key), (model, tokens, valid, key),
+                    bytes_per_chip(model))
+
+
+def _denoising_step_program(stage: str, make: Callable[[], Any], sampler: SamplerConfig, rows: int,
+                            prompt_len: int, mesh: jax.sharding.Mesh) -> _Program:
+    """One step of the rollouts' denoising loop, as the sampler runs it: the block's noisy view of
+    every row against a KV cache of the whole canvas (its rows over the data axes; replicated over
+    `model`, an upper bound on its bytes there), sampling and the commit. The layers are a Python
+    loop in the cached forward, so XLA's cost analysis of this program is the step's whole work:
+    it is its own cost twin."""
+    abstract = eqx.filter_eval_shape(make)
+    model = place_state(abstract, abstract, mesh)
+    cache = eqx.filter_eval_shape(lambda: make().init_cache(rows, prompt_len + sampler.max_new_tokens))
+    rows_over = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding(mesh))  # noqa: E731
+    whole = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P()))  # noqa: E731
+    cache = eqx.tree_at(lambda c: (c.k, c.v, c.valid, c.block_ids, c.rope_cos, c.rope_sin), cache,
+                        (tuple(map(rows_over, cache.k)), tuple(map(rows_over, cache.v)), rows_over(cache.valid),
+                         rows_over(cache.block_ids), whole(cache.rope_cos), whole(cache.rope_sin)))
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=NamedSharding(mesh, P()))
+    lowered = lower_denoising_step(model, cache, sampler, prompt_len=prompt_len, key=key,
+                                   sharding=batch_sharding(mesh))
+    rollout = {"rows": rows, "tokens_per_step": rows * sampler.block_size / sampler.steps_cap,
+               "steps": sampler.num_blocks * sampler.steps_cap}
+    return _Program(stage, "rollouts: one denoising step", lowered, (model, cache, key), bytes_per_chip(model),
+                    cost=(lowered, 1), rollout=rollout)
 
 
 def _rows(rows: int, mesh: jax.sharding.Mesh) -> int:
@@ -199,7 +250,8 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
     replay = diffusion_batch(rows, length)
     make = model_maker(run, "student", stage)
     optimizer = make_optimizer(run.optimizer_config(section.optim, section.steps))
-    programs = [_sampler_program(stage, "rollouts", make, sampler, rows, canvas.prompt_len, mesh)]
+    programs = [_sampler_program(stage, "rollouts", make, sampler, rows, canvas.prompt_len, mesh),
+                _denoising_step_program(stage, make, sampler, rows, canvas.prompt_len, mesh)]
     if stage == "opd":
         teacher_make = model_maker(run, "teacher", "opd")
         teacher = eqx.filter_eval_shape(teacher_make)
@@ -209,7 +261,8 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
         forward = lambda t, layout: t(layout)  # noqa: E731
         with unroll_layers():
             costed = (lower(forward, placed, layout), 1) if cost == "all" else None
-        programs.append(_Program(stage, "teacher forward", lower(forward, placed, layout), bytes_per_chip(placed),
+        programs.append(_Program(stage, "teacher forward", lower(forward, placed, layout), (placed, layout),
+                                 bytes_per_chip(placed),
                                  cost=costed,
                                  kernel_flops=splash_flops(run.model_config("teacher"), (rows, length), 1, mesh.size)))
         loss = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
@@ -224,7 +277,8 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
             score = lambda m, b: token_logprobs(m, b, distribution)[0]  # noqa: E731
             with unroll_layers():
                 costed = (lower(score, placed, place_batch(replay, mesh)), 1) if cost == "all" else None
-            programs.append(_Program(stage, "reference scoring", lower(score, placed, place_batch(replay, mesh)),
+            scored = place_batch(replay, mesh)
+            programs.append(_Program(stage, "reference scoring", lower(score, placed, scored), (placed, scored),
                                      bytes_per_chip(placed), cost=costed,
                                      kernel_flops=splash_flops(student, (rows, length), 1, mesh.size)))
         loss = make_grpo_loss(grpo_config(run), distribution_score(distribution))
@@ -244,15 +298,34 @@ def _cost(compiled: Any) -> dict[str, float]:
 
 def _refused(program: _Program, message: str) -> ProgramPlan:
     """A program the TPU compiler would not build for lack of HBM ("Ran out of memory on HBM, the
-    total memory required for HLO temporaries (37.80G) exceeds available HBM (15.75G)"): its
-    temporaries are the sizes named."""
+    total memory required for HLO temporaries (37.80G) exceeds available HBM (15.75G)", a total
+    that counts arguments and outputs too): its arguments' logical bytes per chip from the shapes
+    they were placed with; each output that mirrors an argument (same shape and dtype: a train
+    step's new state) like that argument, and aliasing it where the program donates; any other
+    output whole (an upper bound: its placement is the compiler's to choose); the rest of the
+    named total as temporaries."""
     line = next((s.strip() for s in message.splitlines() if "RESOURCE_EXHAUSTED" in s), message.strip())
     line = line[line.index("RESOURCE_EXHAUSTED"):]
-    found = re.search(r"\(([\d.]+)([KMGT])\)", line)
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    temp = int(float(found.group(1)) * scale[found.group(2)]) if found else 0
-    return ProgramPlan(program.stage, program.program, 0, 0, 0, temp, 0, program.params, program.optimizer, 0.0, 0.0,
-                       None, "", program.model_flops, refused=line)
+    required = refusal_bytes(line)[0] or 0
+    arguments = [x for x in jax.tree.leaves(program.arguments) if isinstance(x, jax.ShapeDtypeStruct)]
+    argument = bytes_per_chip(arguments)
+    per_chip: dict[tuple, list[int]] = {}
+    for x in arguments:
+        per_chip.setdefault((tuple(x.shape), x.dtype), []).append(bytes_per_chip(x))
+    donates = any(getattr(a, "donated", False) for a in jax.tree.leaves(program.lowered.args_info))
+    output = alias = 0
+    for out in jax.tree.leaves(program.lowered.out_info):
+        mirrored = per_chip.get((tuple(out.shape), out.dtype))
+        if mirrored:
+            size = mirrored.pop()
+            alias += size if donates else 0
+        else:
+            size = int(np.prod(out.shape, dtype=np.int64)) * out.dtype.itemsize
+        output += size
+    temp = max(0, required - (argument + output - alias))
+    return ProgramPlan(program.stage, program.program, argument, output, alias, temp, 0, program.params,
+                       program.optimizer, None, None, None, "", program.model_flops, refused=line,
+                       memory_from="logical", required=required)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +361,8 @@ def _figures(lowered: Any, memo: dict[str, _Figures] | None) -> _Figures:
 
 def compile_program(program: _Program, chip: Any, memo: dict[str, _Figures] | None = None) -> ProgramPlan:
     """Compile for memory (the program as it runs) and for cost (`program.cost`: XLA counts a
-    loop body once, so the sampler's figures are one pass of its loops and carry no time). The
+    loop body once, so a program without an unrolled twin, a sampler's included, gets no FLOPs,
+    bytes accessed or time: its own count would be one pass of its loops). The
     time is XLA's estimate where its TPU cost model gives one, else the roofline bound from its
     FLOPs and bytes accessed against the chip's peak and HBM bandwidth. Splash's kernels are opaque
     to XLA's cost analysis: their FLOPs (`kernel_flops`, an upper bound) are added to its count and
@@ -309,7 +383,8 @@ def compile_program(program: _Program, chip: Any, memo: dict[str, _Figures] | No
             seconds, source = times * float(cost["optimal_seconds"]) + program.kernel_flops / chip.peak_flops, "xla"
         else:
             seconds, source = max(flops / chip.peak_flops, accessed / chip.hbm_bandwidth), "roofline"
-    else:
-        flops, accessed = float(figures.cost.get("flops", 0.0)), float(figures.cost.get("bytes accessed", 0.0))
+    else:  # the scanned program's count holds one pass of each loop: not the work, so none
+        flops = accessed = None
     return ProgramPlan(program.stage, program.program, *figures.memory, program.params, program.optimizer, flops,
-                       accessed, seconds, source, program.model_flops, kernel_flops=program.kernel_flops)
+                       accessed, seconds, source, program.model_flops, kernel_flops=program.kernel_flops,
+                       rollout=program.rollout)

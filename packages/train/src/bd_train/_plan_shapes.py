@@ -71,7 +71,7 @@ def bytes_per_chip(tree: Any) -> int:
     for leaf in jax.tree.leaves(tree):
         if isinstance(leaf, jax.ShapeDtypeStruct):
             shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-            total += int(np.prod(shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
+            total += int(np.prod(shape, dtype=np.int64)) * leaf.dtype.itemsize  # a key dtype has one too
     return total
 
 

@@ -1,6 +1,7 @@
 """TPU slices described without owning them: a topology name ("v5p:2x2x2") becomes JAX device
-descriptions through libtpu's ahead-of-time compiler, and each chip generation's HBM and peak
-bfloat16 rate (the vendor's published figures) are what a plan compares against.
+descriptions through libtpu's ahead-of-time compiler; each chip generation's HBM, bandwidth and
+peak bfloat16 rate (the vendor's published figures) and the HBM libtpu lets one program use
+(`usable_hbm`, which a plan's verdict compares against) are tabled here.
 """
 
 from __future__ import annotations
@@ -9,14 +10,16 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """One TPU generation: `hbm` bytes, `hbm_bandwidth` (bytes/s) and `peak_flops` (bfloat16
-    FLOP/s) per chip; a host holds up to `max_host_chips` chips (multi-host slices use hosts of
-    `host_bounds`)."""
+    """One TPU generation: `hbm` bytes (published), `usable_hbm` (the bytes libtpu's compiler
+    lets one program use: what a plan's verdict compares against), `hbm_bandwidth` (bytes/s) and
+    `peak_flops` (bfloat16 FLOP/s) per chip; a host holds up to `max_host_chips` chips
+    (multi-host slices use hosts of `host_bounds`)."""
 
     name: str
     hbm: int
@@ -24,17 +27,36 @@ class Chip:
     peak_flops: float
     host_bounds: tuple[int, int, int]
     max_host_chips: int
+    usable_hbm: int
 
 
 GiB = 1 << 30
 # Google Cloud's published per-chip figures: v5e 16 GB HBM at 819 GB/s, 197 TFLOP/s bf16; v5p
 # 95 GB at 2,765 GB/s, 459 TFLOP/s; v6e (Trillium) 32 GB at 1,640 GB/s, 918 TFLOP/s. v5e/v6e
 # single hosts hold up to 8 chips; larger v5e/v6e slices and every v5p slice use 4-chip hosts.
+# `usable_hbm` is libtpu's own figure (0.0.42.1, the pinned jax's): its compiler refuses a program
+# that needs more with "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required
+# for HLO temporaries (600.00G) exceeds available HBM (15.75G)", the total counting arguments,
+# outputs and temporaries, in GiB; memory_analysis() does not report it. Read from such a refusal
+# on each generation (v5e 15.75G, v5p 95.74G, v6e 31.25G); `refusal_bytes` reads it from any
+# refusal, and a plan test checks this table against the compiler's message. v5p's is above its
+# published 95 GB figure (the chip carries 96 GiB): the verdict trusts the compiler's.
 CHIPS = {
-    "v5e": Chip("v5e", 16 * GiB, 819e9, 197e12, (2, 2, 1), 8),
-    "v5p": Chip("v5p", 95 * GiB, 2765e9, 459e12, (2, 2, 1), 4),
-    "v6e": Chip("v6e", 32 * GiB, 1640e9, 918e12, (2, 2, 1), 8),
+    "v5e": Chip("v5e", 16 * GiB, 819e9, 197e12, (2, 2, 1), 8, int(15.75 * GiB)),
+    "v5p": Chip("v5p", 95 * GiB, 2765e9, 459e12, (2, 2, 1), 4, int(95.74 * GiB)),
+    "v6e": Chip("v6e", 32 * GiB, 1640e9, 918e12, (2, 2, 1), 8, int(31.25 * GiB)),
 }
+
+_SIZE = re.compile(r"\(([\d.]+)([KMGT])\)")
+_SCALE = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def refusal_bytes(message: str) -> tuple[int | None, int | None]:
+    """(bytes required, bytes available) named by libtpu's out-of-memory refusal ("... the total
+    memory required for HLO temporaries (22.79G) exceeds available HBM (15.75G)"); None for a
+    figure the message does not give."""
+    sizes = [int(float(n) * _SCALE[unit]) for n, unit in _SIZE.findall(message)]
+    return (sizes[0] if sizes else None), (sizes[1] if len(sizes) > 1 else None)
 
 
 class TopologyError(ValueError):
@@ -68,7 +90,8 @@ class Topology:
     def describe(self) -> str:
         slices = f" x {self.num_slices} slices" if self.num_slices > 1 else ""
         return (f"{self.name}{slices}: {self.chips} chips, {self.hosts * self.num_slices} hosts, "
-                f"{self.chip.hbm / GiB:.0f} GiB HBM and {self.chip.peak_flops / 1e12:.0f} TFLOP/s bf16 per chip")
+                f"{self.chip.hbm / GiB:.0f} GiB HBM ({self.chip.usable_hbm / GiB:.2f} GiB usable by a program) and "
+                f"{self.chip.peak_flops / 1e12:.0f} TFLOP/s bf16 per chip")
 
 
 def parse_topology(name: str) -> tuple[Chip, tuple[int, ...]]:

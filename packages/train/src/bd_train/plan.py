@@ -7,13 +7,20 @@ devices and compiled for TPU from this host, which need not have one (libtpu's c
 Per stage (SFT of each role, OPD, GRPO) it compiles the train step (and, with `microbatches` > 1,
 the streamed step's two programs), the sampler's programs (rollouts, held-out decoding), the
 teacher's forward for OPD and the reference scoring for GRPO (`beta` > 0). Per chip it prints
-parameter, optimizer-state, argument, temporary and generated-code bytes against the chip's HBM;
-the compiler's FLOPs and estimated seconds (its cost model, not a timing) and from them the
-estimated MFU (model matmul FLOPs over the chip's bf16 peak). A stage that does not fit is
+parameter and optimizer-state bytes (logical), argument, output, temporary and generated-code
+bytes (XLA's buffer assignment) against the HBM libtpu lets a program use; for the programs whose
+unrolled twin `--cost` compiles, the compiler's FLOPs and estimated seconds (its cost model, not a
+timing) and from them the estimated MFU (model matmul FLOPs over the chip's bf16 peak); a legend
+under the table says what each column is. OPD's and GRPO's rollouts are costed from one step of
+the sampler's denoising loop, compiled alone: its time, its bandwidth and compute bounds, tokens
+per second per chip, and one rollout batch's share of the stage's step. A stage that does not fit is
 re-planned with single changes — remat `full`, more microbatches, `fsdp` over the data axis,
 LoRA — and the first that fits is named; `--largest-batch` also finds each stage's largest batch
 per step that fits. No weights, data or tokenizer files are read: model
 shapes come from the preset (or a pretrained folder's config.json), data shapes from the canvas.
+
+Exit codes: 0 every stage planned fits; 1 a stage does not fit (or the compiler refuses one of its
+programs); 2 an error (an unreadable preset, an invalid config, mesh or topology, libtpu missing).
 """
 
 from __future__ import annotations
@@ -36,12 +43,16 @@ from bd_models import MeshError
 
 from ._plan_programs import COSTS, ProgramPlan, compile_program, stage_programs
 from ._plan_shapes import shapes_run
-from ._tpu import GiB, Topology, TopologyError, topology
+from ._tpu import Chip, GiB, Topology, TopologyError, topology
 
 __all__ = ["Plan", "ProgramPlan", "StagePlan", "compile_program", "format_plan", "largest_batch", "main", "plan",
-           "stage_programs"]
+           "rollout_cost", "stage_programs"]
 
 STAGES = ("sft", "opd", "grpo")
+EXIT_CODES = """exit codes:
+  0  every stage planned fits the HBM libtpu lets a program use
+  1  a stage does not fit, or the TPU compiler refuses one of its programs
+  2  an error: an unreadable preset, an invalid config, mesh or topology, libtpu missing"""
 
 
 @dataclasses.dataclass
@@ -51,14 +62,16 @@ class StagePlan:
     Attributes:
         stage: the stage's name (`sft-teacher`, `sft-student`, `opd`, `grpo`).
         programs: one plan per compiled program.
-        hbm: the chip's HBM bytes.
+        usable_hbm: the HBM bytes libtpu lets one program use on a chip (`Chip.usable_hbm`).
         remedy: for a stage that does not fit, the first single change that fits.
-        planned_with: for a batch the mesh cannot split, the change it was planned with."""
+        planned_with: for a batch the mesh cannot split, the change it was planned with.
+        rollout: OPD's and GRPO's rollouts costed (`rollout_cost`), or None."""
     stage: str
     programs: list[ProgramPlan]
-    hbm: int
+    usable_hbm: int
     remedy: str | None = None  # for a stage that does not fit: the first single change that fits
     planned_with: str | None = None  # a stage whose batch the mesh cannot split: the change it was planned with
+    rollout: dict[str, Any] | None = None
 
     @property
     def peak(self) -> int:
@@ -66,7 +79,7 @@ class StagePlan:
 
     @property
     def fits(self) -> bool:
-        return self.peak <= self.hbm and not any(p.refused for p in self.programs)
+        return self.peak <= self.usable_hbm and not any(p.refused for p in self.programs)
 
 
 @dataclasses.dataclass
@@ -79,9 +92,10 @@ class Plan:
         mesh: the mesh's axis sizes.
         chips: chips in the slice(s).
         hosts: hosts in the slice(s).
-        hbm: HBM bytes per chip.
+        hbm: HBM bytes per chip (published).
         peak_flops: the chip's bfloat16 peak, FLOP/s.
-        stages: one plan per stage."""
+        stages: one plan per stage.
+        usable_hbm: the HBM bytes libtpu lets one program use on a chip: what the verdicts compare against."""
     preset: str
     topology: str
     mesh: dict[str, int]
@@ -90,13 +104,14 @@ class Plan:
     hbm: int
     peak_flops: float
     stages: list[StagePlan]
+    usable_hbm: int
 
     def to_json(self) -> dict[str, Any]:
         """The plan as JSON-ready values (`--json` writes them)."""
         return {"preset": self.preset, "topology": self.topology, "mesh": self.mesh, "chips": self.chips,
-                "hosts": self.hosts, "hbm": self.hbm, "peak_flops": self.peak_flops,
+                "hosts": self.hosts, "hbm": self.hbm, "usable_hbm": self.usable_hbm, "peak_flops": self.peak_flops,
                 "stages": [{"stage": s.stage, "fits": s.fits, "peak": s.peak, "remedy": s.remedy,
-                            "planned_with": s.planned_with,
+                            "planned_with": s.planned_with, "rollout": s.rollout,
                             "programs": [{**dataclasses.asdict(p), "peak": p.peak} for p in s.programs]}
                            for s in self.stages]}
 
@@ -152,7 +167,39 @@ def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topolo
                 log(f"  {stage}: {program.program}: compiled before (the same StableHLO)")
             else:
                 log(f"  compiled {stage}: {program.program} in {time.perf_counter() - start:.0f} s")
-    return StagePlan(stage, programs, topo.chip.hbm)
+    result = StagePlan(stage, programs, topo.chip.usable_hbm)
+    result.rollout = rollout_cost(result, topo.chip, topo.chips)
+    return result
+
+
+STEP_PARTS = ("train step", "reference scoring", "teacher forward")  # a step's programs besides its rollouts
+
+
+def rollout_cost(stage: StagePlan, chip: Chip, chips: int) -> dict[str, Any] | None:
+    """The rollouts of `stage` costed from its compiled denoising step (None for a stage without
+    one): the step's estimated seconds, its bandwidth (bytes accessed / HBM bandwidth) and compute
+    (FLOPs / bf16 peak) bounds and which is larger, tokens per second per chip at the estimate and
+    at the roofline (tokens committed per step at least: rows x block / steps cap, over the
+    slice's chips), one rollout batch's seconds at its most steps (blocks x steps cap; a threshold
+    rule or rows that stop early take fewer: an upper bound), and that batch's share of the
+    stage's step (rollouts + reference scoring or teacher forward + train step), where each of
+    those has an estimate."""
+    step = next((p for p in stage.programs if p.rollout and p.seconds and p.flops is not None), None)
+    if step is None or step.rollout is None or step.seconds is None or step.flops is None:
+        return None
+    bandwidth = (step.bytes_accessed or 0.0) / chip.hbm_bandwidth
+    compute = step.flops / chip.peak_flops
+    tokens = step.rollout["tokens_per_step"]
+    batch = step.seconds * step.rollout["steps"]
+    rest = [p.seconds for p in stage.programs if p.program in STEP_PARTS]
+    known = [t for t in rest if t]
+    share = batch / (batch + sum(known)) if rest and len(known) == len(rest) else None
+    return {"rows": int(step.rollout["rows"]), "tokens_per_step": tokens, "step_seconds": step.seconds,
+            "seconds_from": step.seconds_from, "bandwidth_seconds": bandwidth, "compute_seconds": compute,
+            "bound": "bandwidth" if bandwidth >= compute else "compute",
+            "tokens_per_second_per_chip": tokens / step.seconds / chips,
+            "roofline_tokens_per_second_per_chip": tokens / max(bandwidth, compute) / chips,
+            "steps": int(step.rollout["steps"]), "batch_seconds": batch, "share_of_step": share}
 
 
 def _microbatch_counts(config: dict, stage: str, mesh: dict[str, int]) -> tuple[str, int, list[int]]:
@@ -256,7 +303,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
             result.planned_with = f"{description} (as configured: {err})"
         if not result.fits and remedies:
             result.remedy = "no single change tried makes it fit"
-            over = result.peak / (0.9 * topo.chip.hbm)
+            over = result.peak / (0.9 * topo.chip.usable_hbm)
             for description, changed, changed_mesh in _remedies(stage_data, stage_name, mesh_shape, over):
                 log(f"  {stage_name} does not fit ({result.peak / GiB:.1f} GiB): trying {description}")
                 try:
@@ -271,7 +318,8 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
                     break
         stages.append(result)
     return Plan(name, topology_name + (f" x {num_slices}" if num_slices > 1 else ""),
-                mesh_shape, topo.chips, topo.hosts * num_slices, topo.chip.hbm, topo.chip.peak_flops, stages)
+                mesh_shape, topo.chips, topo.hosts * num_slices, topo.chip.hbm, topo.chip.peak_flops, stages,
+                topo.chip.usable_hbm)
 
 
 def stage_lowered(data: dict, stage: str, mesh: jax.sharding.Mesh, *, cost: str = "none") -> list[Any]:
@@ -340,16 +388,42 @@ def largest_batch(data: dict, stage: str, topology_name: str, *, mesh: dict[str,
     return f"[{name}] {key}", None
 
 
+LEGEND = """\
+Columns (per chip; GiB = 2^30 bytes; nothing here ran on a TPU):
+- params GiB, optimizer GiB: logical bytes of the model's weights and of the optimizer state among the
+  arguments (each shard's elements times its dtype's size).
+- arguments, outputs, temp GiB, code MiB: XLA's buffer assignment for the compiled TPU program, padded to
+  TPU tiles (so arguments may exceed params + optimizer); outputs count only the buffers that do not reuse
+  a donated argument's. Marked (logical): a program the compiler refuses, whose arguments and outputs are
+  the logical bytes of their shapes; its temp, marked (rest), is the rest of the total the compiler named.
+- peak GiB: arguments + outputs + temp + code, or a refused program's total as the compiler named it;
+  % of usable HBM: of the HBM libtpu lets one program use, which the verdicts compare against.
+- TFLOP/chip, est. s: XLA's FLOPs and its cost model's time (estimates, not timings) for a twin of the
+  program with its layer loop unrolled; marked >=, the roofline bound max(FLOPs / peak, bytes accessed /
+  HBM bandwidth) where the cost model gives no time. Empty where no twin was compiled (`--cost`; the
+  samplers): the program's own count holds one pass of each loop, not its work.
+- est. MFU: the model's matmul FLOPs per chip (3x forward; 2x with LoRA, whose frozen weights get no
+  gradient) / (est. s x bf16 peak); marked <=, an upper bound from a roofline time; empty without a time.
+- rollouts: one denoising step: the sampler's loop body alone (the block's noisy view of every row
+  against the KV cache of the whole canvas, sampling, the commit): no loop, so XLA's count is its work.
+  Under the verdicts: its bandwidth (bytes accessed / HBM bandwidth) and compute (FLOPs / peak) bounds,
+  tokens/s per chip (rows x block / steps cap tokens per step, over the chips), and one rollout batch at
+  its most steps (blocks x steps cap) against the stage's other programs' estimated times.
+Exit code: 0 every stage fits, 1 a stage does not fit, 2 an error."""
+
+
 def format_plan(result: Plan) -> str:
-    """The plan as a markdown table per chip (memory by kind, % of HBM, TFLOP, estimated seconds and MFU) with each
-    stage's verdict."""
-    def gib(n: float) -> str:
+    """The plan as a markdown table per chip (memory by kind, % of usable HBM, TFLOP, estimated seconds
+    and MFU), each stage's verdict, and a legend naming what each column is."""
+    def gib(n: int | float) -> str:
         return f"{n / GiB:.2f}"
 
     lines = [f"{result.preset} on {result.topology}: {result.chips} chips over {result.hosts} host(s), mesh "
-             f"{result.mesh}; per chip: {result.hbm / GiB:.0f} GiB HBM, {result.peak_flops / 1e12:.0f} TFLOP/s bf16",
-             "", "| stage | program | params GiB | optimizer GiB | arguments GiB | temp GiB | code MiB | peak GiB | "
-             "% of HBM | TFLOP/chip | est. s | est. MFU |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{result.mesh}; per chip: {result.hbm / GiB:.0f} GiB HBM, of which libtpu lets a program use "
+             f"{result.usable_hbm / GiB:.2f} GiB; {result.peak_flops / 1e12:.0f} TFLOP/s bf16",
+             "", "| stage | program | params GiB | optimizer GiB | arguments GiB | outputs GiB | temp GiB | code MiB | "
+             "peak GiB | % of usable HBM | TFLOP/chip | est. s | est. MFU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for stage in result.stages:
         for p in stage.programs:
             # From the roofline's lower bound on time, the MFU is an upper bound.
@@ -357,24 +431,39 @@ def format_plan(result: Plan) -> str:
             if p.model_flops and p.seconds:
                 bound = "<= " if p.seconds_from == "roofline" else ""
                 mfu = f"{bound}{100 * p.model_flops / (p.seconds * result.peak_flops):.0f}%"
-            lines.append(f"| {p.stage} | {p.program} | {gib(p.params)} | {gib(p.optimizer)} | {gib(p.argument)} | "
-                         f"{gib(p.temp)} | {p.code / 2**20:.1f} | {gib(p.peak)} | {100 * p.peak / result.hbm:.0f}% | "
-                         f"{p.flops / 1e12:.3g} | {_seconds(p)} | {mfu} |")
+            logical, rest = (" (logical)", " (rest)") if p.memory_from == "logical" else ("", "")
+            flops = "" if p.flops is None else f"{p.flops / 1e12:.3g}"
+            lines.append(f"| {p.stage} | {p.program} | {gib(p.params)} | {gib(p.optimizer)} | "
+                         f"{gib(p.argument)}{logical} | {gib(p.output - p.alias)}{logical} | {gib(p.temp)}{rest} | "
+                         f"{p.code / 2**20:.1f} | "
+                         f"{gib(p.peak)} | {100 * p.peak / result.usable_hbm:.0f}% | {flops} | {_seconds(p)} | {mfu} |")
     lines.append("")
     for stage in result.stages:
         for p in stage.programs:
             if p.refused:
                 lines.append(f"{stage.stage}: {p.program}: the TPU compiler refuses it: {p.refused}")
-        verdict = "fits" if stage.fits else f"DOES NOT FIT: {stage.remedy}"
+        verdict = "fits" if stage.fits else f"DOES NOT FIT: {stage.remedy or 'no remedies tried (--no-remedies)'}"
         if stage.planned_with:
             verdict += f"; planned with {stage.planned_with}"
-        lines.append(f"{stage.stage}: peak {gib(stage.peak)} GiB of {result.hbm / GiB:.0f} GiB per chip: {verdict}")
-    lines.append("\nBytes and FLOPs are XLA's for the compiled TPU programs (a sampler's FLOPs: one pass of its "
-                 "loops); est. s is XLA's cost model where it gives one, else (marked >=) the roofline bound "
-                 "max(FLOPs / peak, bytes accessed / HBM bandwidth): estimates, not timings. est. MFU = the model's "
-                 "matmul FLOPs per chip (3x forward; 2x with LoRA, whose frozen weights get no gradient) / "
-                 "(est. s x peak); from a roofline bound it is an upper bound (marked <=).")
+        lines.append(f"{stage.stage}: peak {gib(stage.peak)} GiB of {gib(result.usable_hbm)} GiB usable per chip: "
+                     f"{verdict}")
+        if stage.rollout:
+            lines.append(_rollout_line(stage.stage, stage.rollout))
+    lines += ["", LEGEND]
     return "\n".join(lines)
+
+
+def _rollout_line(stage: str, r: dict[str, Any]) -> str:
+    share = "" if r["share_of_step"] is None else (
+        f", {100 * r['share_of_step']:.0f}% of the stage's estimated step (rollouts + "
+        f"{'teacher forward' if stage == 'opd' else 'reference scoring'} + train step)")
+    est = (">= " if r["seconds_from"] == "roofline" else "") + f"{r['step_seconds']:.3g} s"
+    return (f"{stage}: rollouts: one denoising step of {r['rows']} rows: est. {est} (bandwidth bound "
+            f"{r['bandwidth_seconds']:.3g} s, compute bound {r['compute_seconds']:.3g} s: {r['bound']}-bound); "
+            f"{r['tokens_per_second_per_chip']:.3g} tokens/s per chip at the estimate, "
+            f"{r['roofline_tokens_per_second_per_chip']:.3g} at the roofline ({r['tokens_per_step']:.3g} tokens "
+            f"committed per step at least); one rollout batch (<= {r['steps']} steps): <= {r['batch_seconds']:.3g} s"
+            f"{share}")
 
 
 def _seconds(p: ProgramPlan) -> str:
@@ -397,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     """The command line: `python -m bd_train.plan PRESET --topology ...`; returns the exit code."""
     # Programs compiled for a slice that is not here are never run here: no persistent cache.
     jax.config.update("jax_enable_compilation_cache", False)
-    parser = argparse.ArgumentParser(prog="python -m bd_train.plan", description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bd_train.plan", description=(__doc__ or "").splitlines()[0],
+                                     epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("preset", help="a preset TOML (flows/configs/<name>.toml)")
     parser.add_argument("--topology", required=True, help="e.g. v5e:2x4, v5p:2x2x2, v6e:4x4")
     parser.add_argument("--num-slices", type=int, default=1)
@@ -407,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", choices=["dense", "blocked", "shard_map", "splash"], default=None,
                         help="both models' attention (default: the preset's); splash is TPU's kernel")
     parser.add_argument("--cost", choices=COSTS, default="all",
-                        help="which programs get XLA's cost estimate (each needs a compile with every layer unrolled)")
+                        help="which programs get XLA's cost estimate (each needs a compile with every layer "
+                             "unrolled; the rollouts' denoising step, which has no loop, is costed always)")
     parser.add_argument("--largest-batch", action="store_true",
                         help="also find each stage's largest batch per step that fits (more compiles)")
     parser.add_argument("--json", default=None, help="also write the plan as JSON here")
