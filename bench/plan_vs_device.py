@@ -31,12 +31,12 @@ GiB = 1 << 30
 
 
 def _inputs(lowered, compiled):
-    """Arrays for `compiled`'s inputs, placed as it expects them."""
+    """Arrays for `compiled`'s positional inputs (a tuple), placed as it expects them."""
     import jax
     import jax.numpy as jnp
 
-    (infos,), _ = lowered.args_info
-    (shardings,), _ = compiled.input_shardings
+    infos, _ = lowered.args_info  # one entry per positional argument (a donating step has two)
+    shardings, _ = compiled.input_shardings
     keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(infos))))
 
     def make(info, sharding):
@@ -80,12 +80,13 @@ def measure(preset: str, stage: str, program: str, runs: int, attention: str | N
         planned = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
                    + m.generated_code_size_in_bytes)
         before = (device.memory_stats() or {}).get("bytes_in_use", 0)  # CPU keeps no statistics
-        inputs = _inputs(target.lowered, compiled)
-        jax.block_until_ready(compiled(inputs))  # the first run: allocations settle
+        # fresh inputs for every run: a train step donates its state's buffers
+        jax.block_until_ready(compiled(*_inputs(target.lowered, compiled)))  # the first run: allocations settle
         seconds = []
         for _ in range(runs):
+            inputs = jax.block_until_ready(_inputs(target.lowered, compiled))
             start = time.perf_counter()
-            jax.block_until_ready(compiled(inputs))
+            jax.block_until_ready(compiled(*inputs))
             seconds.append(time.perf_counter() - start)
         stats = device.memory_stats() or {}
     step = statistics.median(seconds)

@@ -120,15 +120,24 @@ def _split_state(state: TrainState) -> tuple[TrainState, tuple[Any, Any, Any]]:
     step passes through and which others may share (GRPO's reference is the base)."""
     trainable = trainable_filter(state.model)
     donated = (eqx.filter(state.model, trainable), state.opt_state, state.accumulator)
-    kept = dataclasses.replace(state, model=eqx.filter(state.model, trainable, inverse=True), opt_state=None,
-                               accumulator=None)
+    kept = _with(state, model=eqx.filter(state.model, trainable, inverse=True), opt_state=None, accumulator=None)
     return kept, donated
 
 
 def _join_state(kept: TrainState, donated: tuple[Any, Any, Any]) -> TrainState:
     params, opt_state, accumulator = donated
-    return dataclasses.replace(kept, model=eqx.combine(params, kept.model), opt_state=opt_state,
-                               accumulator=accumulator)
+    return _with(kept, model=eqx.combine(params, kept.model), opt_state=opt_state, accumulator=accumulator)
+
+
+def _with(state: TrainState, **changes: Any) -> TrainState:
+    """`state` with some fields replaced, without `__init__`'s checks: the parts of a state are
+    also those of an abstract one (`ShapeDtypeStruct` leaves, when a plan lowers a step) and the
+    halves a donating step splits it into."""
+    new = object.__new__(TrainState)
+    for field in dataclasses.fields(TrainState):
+        name = field.name
+        object.__setattr__(new, name, changes[name] if name in changes else getattr(state, name))
+    return new
 
 
 def _unshared(donated: Any, kept: Any) -> Any:

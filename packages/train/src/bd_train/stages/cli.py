@@ -102,8 +102,9 @@ def _run(config: dict, until: str, run_id: str) -> int:
         return 2
     try:
         run_chain(config, RunDir.create(config, run_id=run_id), until=until)
-    except StageError as err:
+    except StageError as err:  # e.g. SIGTERM: every process of the group stops at the same saved step
         print(f"bdlm: {err}", file=sys.stderr)
+        shutdown()  # leave the group together, before process 0's coordination service goes
         return 1
     shutdown()
     return 0
