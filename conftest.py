@@ -63,12 +63,13 @@ def child_xla_flags() -> str:
 # (`--no-loadscope-reorder`; its default orders by test count, which left single-test chains of
 # minutes for the end, with one worker idle). Longest first keeps both workers busy to the end.
 SLOW_FILES = {
-    "tests/test_group_faults.py": 274, "tests/test_pipeline.py": 245, "tests/test_parallel_flow.py": 229,
-    "packages/train/tests/test_plan.py": 215, "tests/test_stages_mesh.py": 167,
-    "packages/train/tests/test_trainer.py": 137, "packages/train/tests/test_distributed.py": 80,
-    "tests/test_guides.py": 86, "packages/models/tests/test_sampler.py": 73, "tests/test_sigkill.py": 66,
-    "packages/train/tests/test_driver.py": 63, "packages/train/tests/test_learning.py": 55,
-    "packages/train/tests/test_checkpoint.py": 49, "packages/train/tests/test_guard.py": 109,
+    "tests/test_parallel_flow.py": 397, "tests/test_group_faults.py": 298, "tests/test_pipeline.py": 263,
+    "tests/test_stages_mesh.py": 235, "packages/train/tests/test_plan.py": 233,
+    "packages/train/tests/test_trainer.py": 111, "tests/test_guides.py": 94,
+    "packages/train/tests/test_distributed.py": 91, "tests/test_sigkill.py": 74,
+    "packages/train/tests/test_guard.py": 62, "packages/models/tests/test_sampler.py": 56,
+    "packages/train/tests/test_learning.py": 56, "packages/train/tests/test_driver.py": 52,
+    "packages/train/tests/test_checkpoint.py": 51,
 }
 
 
