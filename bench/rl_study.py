@@ -73,6 +73,9 @@ STUDIES = {
     # the default preset: countdown with a teacher trained 2.5x longer and twice the OPD steps,
     # clearly ahead of its student, so that distillation has a gap to close before GRPO.
     "countdown_teach": Study("default.toml"),
+    # the default preset with a student 4.2x larger (615,552 parameters against 147,968: the
+    # teacher's width, 96, and 4 layers), above its teacher's 467,904: does GRPO's gain hold?
+    "countdown_4x": Study("default.toml", {"student": {"d_model": 96, "n_layers": 4}}),
     "smoke": Study("smoke.toml"),  # the driver's own test: tiny models, seconds per point
 }
 
@@ -226,7 +229,7 @@ def budget(study: str, output_dir: Path, *, rounds: int = 3) -> dict[str, Any]:
         for stage, steps in ((stage, steps) for stage, steps in BUDGET_STAGES if stage in measured):
             extra = arm_sections(study, "rft", output_dir) if stage == "rft" else []
             config = study_config(study, 0, output_dir, ARMS["grpo"].sections, *extra, {stage: {"steps": steps}},
-                                  {"eval": {"n": 8, "samples": 0}})
+                                  {"eval": {"n": 8, "samples": 0, "best_of": []}})
             folder = output_dir / study / "pipeline" / f"budget-{stage}-{r}"
             shutil.rmtree(folder, ignore_errors=True)
             where = RunDir.create(config, run_id=folder.name)
