@@ -63,7 +63,7 @@ def child_xla_flags() -> str:
 # (`--no-loadscope-reorder`; its default orders by test count, which left single-test chains of
 # minutes for the end, with one worker idle). Longest first keeps both workers busy to the end.
 SLOW_FILES = {
-    "tests/test_parallel_flow.py": 397, "tests/test_group_faults.py": 298, "tests/test_pipeline.py": 263,
+    "tests/test_group.py": 650, "tests/test_pipeline.py": 263,
     "tests/test_stages_mesh.py": 235, "packages/train/tests/test_plan.py": 233,
     "packages/train/tests/test_trainer.py": 111, "tests/test_guides.py": 94,
     "packages/train/tests/test_distributed.py": 91, "tests/test_sigkill.py": 74,

@@ -115,6 +115,9 @@ ARMS = {
     "sft_more": Arm("sft", sections={"sft": {"optim": CONTROL_OPTIM}}, matches="grpo"),
     # one SFT update per round on the round's verified samples (an unmeasured starting point)
     "rft": Arm("rft", sections={"rft": {"updates_per_rollout": 1, "optim": CONTROL_OPTIM}}, matches="grpo"),
+    # at GRPO's constant learning rate: on countdown_teach, `rft` (1e-3) lost half its accuracy
+    "rft_lr1e-4": Arm("rft", sections={"rft": {"updates_per_rollout": 1, "optim": {**CONTROL_OPTIM, "lr": 1e-4}}},
+                      matches="grpo"),
     "grpo_from_sft": Arm("grpo", start="sft", sections=_grpo()),
     "opd_from_sft": Arm("opd", start="sft", sections={"opd": {"optim": CONTROL_OPTIM}}, matches="grpo_from_sft"),
     "sft_from_sft": Arm("sft", start="sft", sections={"sft": {"optim": CONTROL_OPTIM}}, matches="grpo_from_sft"),

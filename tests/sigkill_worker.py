@@ -6,8 +6,8 @@ does; a finished chain writes `<case dir>/done.json` (each stage's step and hist
 state a stage restores from its own checkpoints is noted in `<case dir>/restores.jsonl` (stage and
 step), so a test can tell a continued stage from one that started over. With `--command`
 (`python sigkill_worker.py <case dir> --command`) the chain runs through the user's command,
-`python -m bd_train.stages run <preset>`, in this process; with the `BDLM_*` group variables set
-(`test_group_faults.py`), the command joins that group as one of its processes, each with one CPU
+`python -m bd_train.stages run <preset>`, in this process; with the `BDLM_*` group variables (or a SLURM
+job step's) set (`test_group.py`), the command joins that group as one of its processes, each with one CPU
 device and the mesh's data axis over the group (its files then end in `-<id>`: `done-<id>.json`,
 `restores-<id>.jsonl`).
 
@@ -143,8 +143,9 @@ def _stall(spec: str, case: Path, index: int) -> None:
 if __name__ == "__main__":
     case = Path(sys.argv[1]).resolve()
     if sys.argv[2:] == ["--command"]:
-        count = int(os.environ.get("BDLM_NUM_PROCESSES", "1"))
-        index = int(os.environ.get("BDLM_PROCESS_ID", "0"))
+        # the group's size and this process's place: bdlm's variables, or a SLURM job step's
+        count = int(os.environ.get("BDLM_NUM_PROCESSES") or os.environ.get("SLURM_NTASKS", "1"))
+        index = int(os.environ.get("BDLM_PROCESS_ID") or os.environ.get("SLURM_PROCID", "0"))
         if os.environ.get("BDLM_TEST_STALL"):
             _stall(os.environ["BDLM_TEST_STALL"], case, index)
         command(case, count, f"-{index}" if count > 1 else "")

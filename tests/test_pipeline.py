@@ -1,7 +1,7 @@
 """The Metaflow pipeline run for real through the Runner API, on flows/configs/lora.toml: every
 stage starts from a Hugging Face checkpoint folder (the tiny SDAR-format fixture) and is exported
 back as one; the teacher is fine-tuned fully, the student trains LoRA adapters in every stage.
-(tests/test_parallel_flow.py runs the flow on models trained from scratch.)
+(tests/test_group.py runs the flow on 2 nodes, on models trained from scratch.)
 
 One run is made to fail inside GRPO (after a checkpoint) and is finished by `resume`: that run
 proves the whole flow, the import and the exports, the W&B offline logs, the cards and resume at

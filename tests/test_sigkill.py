@@ -1,6 +1,6 @@
 """SIGKILL at points of the stage chain (inside SFT, between OPD and GRPO), each followed by a rerun
 that continues from the checkpoints, as the flow's `resume` does: the chain must end with
-checkpoints bit-identical to an uninterrupted run's. (`test_group_faults.py` kills one process of
+checkpoints bit-identical to an uninterrupted run's. (`test_group.py` kills one process of
 a group during an OPD checkpoint save and inside GRPO, with the same checks after its rerun.)
 
 The kills land one after another in one run folder (each rerun is the next kill's victim): one
@@ -95,7 +95,7 @@ def _inside_grpo(case: Path) -> bool:  # after GRPO's first save, before its las
     return bool(steps) and steps[-1] < _last_step("grpo")
 
 
-# The kill points of one process; `test_group_faults.py` kills one process of a group during an
+# The kill points of one process; `test_group.py` kills one process of a group during an
 # OPD save and inside GRPO (`_opd_saving`, `_inside_grpo`), followed by the same resume checks.
 KILLS = (
     Kill("inside-sft-student", _inside_sft),

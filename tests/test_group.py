@@ -1,25 +1,33 @@
-"""A two-process group running the stage chain through the user's command (`python -m
-bd_train.stages run <preset>` on each process, the group from the `BDLM_*` variables, as
-`sigkill_worker.py --command` runs it; the mesh's data axis over the group) meets what a cluster
-does to one of its processes, and resumes with the same command:
+"""A two-process group running the stage chain, three ways, against one uninterrupted run:
 
-- SIGKILL of process 0, which starts the group's coordination service, inside the teacher's SFT:
-  process 1 stops within the group's `BDLM_LOST_AFTER_S` (plus a margin) with bdlm's message
-  naming process 0, not JAX's abort;
-- process 1 hangs inside a teacher's SFT update while its heartbeat goes on: the progress
-  watchdog ends both processes with exit 75, each leaving every thread's stack in the run folder
-  and a line naming the stage, the step and process 1;
-- SIGTERM to one process only (a preempted VM) inside the student's SFT: the whole group saves the
-  same step and stops;
-- SIGKILL of process 1 while OPD writes a checkpoint, and again inside a GRPO update: process 0
-  stops within the group's `BDLM_LOST_AFTER_S` (plus a margin) with a message that names process
-  1 and says to `resume`; the rerun continues from the latest complete checkpoint (a half-written
-  one is never restored).
+- the reference: the user's command on every process (`python -m bd_train.stages run <preset>`,
+  as `sigkill_worker.py --command` runs it), the group found by JAX's own cluster detection (a
+  simulated SLURM job step), the mesh's data axis over the group;
+- the Metaflow flow with every training stage a `@parallel` step on 2 local nodes (each stage's
+  nodes form one JAX process group), made to fail inside GRPO on both nodes after a checkpoint and
+  finished by `resume` on 2 nodes again: every stage's checkpoint and metrics equal the
+  reference's, bit for bit;
+- the command again, its group from the `BDLM_*` variables, meeting what a cluster does to one of
+  its processes, and rerun with the same command after each fault:
+  - SIGKILL of process 0, which starts the group's coordination service, inside the teacher's SFT:
+    process 1 stops within the group's `BDLM_LOST_AFTER_S` (plus a margin) with bdlm's message
+    naming process 0, not JAX's abort;
+  - process 1 hangs inside a teacher's SFT update while its heartbeat goes on: the progress
+    watchdog ends both processes with exit 75, each leaving every thread's stack in the run folder
+    and a line naming the stage, the step and process 1;
+  - SIGTERM to one process only (a preempted VM) inside the student's SFT: the whole group saves
+    the same step and stops;
+  - SIGKILL of process 1 while OPD writes a checkpoint, and again inside a GRPO update: process 0
+    stops within the group's `BDLM_LOST_AFTER_S` (plus a margin) with a message that names process
+    1 and says to `resume`; the rerun continues from the latest complete checkpoint (a half-written
+    one is never restored).
+  The chain must end with every checkpoint's arrays, both processes' data-iterator positions and
+  metric histories bit-identical to the reference's.
 
-After each, the group is started again, as the flow's `resume` does; the chain must end with every
-checkpoint's arrays, both processes' data-iterator positions and metric histories bit-identical to
-an uninterrupted group's run. The kills are timed by polling the checkpoint folders, as in
-`test_sigkill.py`, whose helpers this reuses.
+One uninterrupted run serves every comparison (and fills the session's compilation cache for the
+others). The preset is `sigkill_worker.preset(2)`: the smoke preset over a data axis of 2 processes
+with one CPU device each, saving every 2 updates. The kills are timed by polling the checkpoint
+folders, as in `test_sigkill.py`, whose helpers this reuses.
 """
 
 from __future__ import annotations
@@ -29,14 +37,19 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
+from bd_train import Checkpointer
 from bd_train.distributed import EXIT_LOST, free_port
+from bd_train.stages import parse_pipeline_config
 
 
 def _helpers():
@@ -57,6 +70,7 @@ _last_step, _listing, _saved = _h._last_step, _h._listing, _h._saved
 PROCESSES = 2
 LOST_AFTER = 5  # seconds of silence before the group gives a process up (default 60)
 MARGIN = 30  # from the kill to the survivor's exit, beyond LOST_AFTER: a loaded 2-core host
+SLURM_PORTS = range(65536 - 2**12, 65536)  # JAX's SLURM coordinator port: SLURM_JOB_ID % 4096 + 61440
 
 
 STALL = "sft-teacher:5:1"  # process 1 hangs in the teacher's update after step 5 (saves at 2, 4, 6)
@@ -109,20 +123,43 @@ def _log(case: Path, index: int) -> Path:
     return case.parent / f"{case.name}-{index}.log"
 
 
-def _attempt(case: Path, env: dict[str, str], fault: Fault | None = None) -> Attempt:
-    """The group on `case`; with `fault`, its signal to its victim once `fault.kill.when(case)`
-    holds, then both processes are waited for (the others on their own)."""
+def _slurm_job_id() -> int:
+    """A job id whose coordinator port (as JAX's SLURM detection derives it) is free on this host."""
+    for port in np.random.default_rng(os.getpid()).permutation(SLURM_PORTS):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", int(port)))
+            except OSError:
+                continue
+        return 10_000 * 4096 + int(port) - SLURM_PORTS.start
+    raise RuntimeError("no free port for the simulated SLURM coordinator")
+
+
+def _group(index: int, *, slurm: bool, coordinator: str, job: int) -> dict[str, str]:
+    """Process `index`'s group variables: bdlm's own, or a SLURM job step's for JAX to detect."""
+    if slurm:
+        return {"SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_NTASKS": str(PROCESSES),
+                "SLURM_PROCID": str(index), "SLURM_LOCALID": str(index)}
+    return {"BDLM_COORDINATOR_ADDRESS": coordinator, "BDLM_NUM_PROCESSES": str(PROCESSES),
+            "BDLM_PROCESS_ID": str(index)}
+
+
+def _attempt(case: Path, env: dict[str, str], fault: Fault | None = None, *, slurm: bool = False) -> Attempt:
+    """The group on `case` (found from `BDLM_*` variables, or with `slurm` by JAX's SLURM
+    detection); with `fault`, its signal to its victim once `fault.kill.when(case)` holds, then
+    both processes are waited for (the others on their own)."""
     env = {**env, **dict(fault.env)} if fault is not None else env
     case.mkdir(parents=True, exist_ok=True)
     seen = [len(p.read_text().splitlines()) if p.exists() else 0
             for p in (case / f"restores-{i}.jsonl" for i in range(PROCESSES))]
     offsets = [_log(case, i).stat().st_size if _log(case, i).exists() else 0 for i in range(PROCESSES)]
-    coordinator = f"127.0.0.1:{free_port()}"
+    coordinator, job = f"127.0.0.1:{free_port()}", _slurm_job_id() if slurm else 0
+    env = {k: v for k, v in env.items() if not k.startswith(("BDLM_COORDINATOR_", "BDLM_NUM_", "BDLM_PROCESS_",
+                                                             "SLURM_"))}
     begun = time.monotonic()
     logs = [open(_log(case, i), "a") for i in range(PROCESSES)]
-    group = {"BDLM_COORDINATOR_ADDRESS": coordinator, "BDLM_NUM_PROCESSES": str(PROCESSES)}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(case), "--command"],
-                              env={**env, **group, "BDLM_PROCESS_ID": str(i)},
+                              env={**env, **_group(i, slurm=slurm, coordinator=coordinator, job=job)},
                               stdout=logs[i], stderr=subprocess.STDOUT, start_new_session=True)
              for i in range(PROCESSES)]
     faulted = survivor = None
@@ -167,10 +204,13 @@ def group_env(child_xla_flags) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, group_env) -> Path:
-    """The group's chain without a fault (it also fills the compilation cache)."""
+    """The group's chain without a fault, its group found by JAX's SLURM detection (it also fills
+    the compilation cache)."""
     case = tmp_path_factory.mktemp("group") / "reference"
-    attempt = _attempt(case, group_env)
+    attempt = _attempt(case, group_env, slurm=True)
     assert attempt.returncodes == [0] * PROCESSES, attempt.logs[0][-3000:] + attempt.logs[1][-3000:]
+    for i, log in enumerate(attempt.logs):
+        assert f"bdlm: process {i} of {PROCESSES} (JAX's slurm detection)" in log, log[-2000:]
     return case
 
 
@@ -271,3 +311,72 @@ def test_the_resumed_group_reports_the_uninterrupted_histories(reference, faulte
     for i in range(PROCESSES):
         want, got = (json.loads((c / f"done-{i}.json").read_text()) for c in (reference, case))
         assert got == want
+
+
+# -- the flow on two nodes ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def flow_run(tmp_path_factory, flow_runs, reference):
+    """The flow on the reference's preset, failing after GRPO's update 2 and resumed; after the
+    reference, so that it compiles nothing the reference compiled."""
+    cwd = tmp_path_factory.mktemp("parallel")
+    preset = cwd / "preset.toml"
+    preset.write_text(worker.toml(worker.preset(PROCESSES)))
+    run, _ = flow_runs.crash_and_resume(preset, cwd, fault="grpo:2")
+    return cwd, run
+
+
+def test_every_stage_runs_across_two_nodes_and_resumes(flow_run):
+    _, run = flow_run
+    assert run["sft"].task.origin_pathspec is not None and run["opd"].task.origin_pathspec is not None  # cloned
+    for name, artifact, stage in [("sft", "result", None), ("opd", "opd_result", "opd"),
+                                  ("grpo", "grpo_result", "grpo")]:
+        tasks = list(run[name])
+        indices = sorted(task["node_index"].data for task in tasks)
+        assert indices == ([0, 0, 1, 1] if name == "sft" else [0, 1]), (name, indices)  # sft: a group per role
+        for role_tasks in _by_group(tasks, name):
+            results = [task[artifact].data for task in sorted(role_tasks, key=lambda t: t["node_index"].data)]
+            assert results[0].step == _last_step(stage or f"sft-{results[0].role}")
+            if name == "grpo":  # continued from the checkpoint of update 2 (its curve kept), on both nodes
+                assert [r["step"] for r in results[0].history] == list(range(1, _last_step("grpo") + 1))
+                kept = sorted(int(p.name) for p in Path(results[0].checkpoint_dir).iterdir() if p.name.isdigit())
+                assert kept == [2, 4], kept
+            # one global computation: both nodes report the same losses and held-out numbers
+            assert [r["loss"] for r in results[0].history] == [r["loss"] for r in results[1].history]
+            assert results[0].evaluation.metrics() == results[1].evaluation.metrics()
+    assert list(run["end"].task["summary"].data) == ["teacher_sft", "student_sft", "student_opd", "student_grpo"]
+
+
+def _by_group(tasks, name):
+    if name != "sft":
+        return [tasks]
+    groups = {}
+    for task in tasks:
+        groups.setdefault(task["role"].data, []).append(task)
+    assert sorted(groups) == ["student", "teacher"]
+    return list(groups.values())
+
+
+def _role(step, role: str):
+    return next(task["result"].data for task in step if task["role"].data == role)
+
+
+def test_the_flow_ends_equal_to_the_command_on_every_host(flow_run, reference):
+    """Every stage's last checkpoint (arrays, metadata history) and result history: the flow's, on
+    2 nodes after its crash and resume, and the reference's, through the command on 2 processes."""
+    _, run = flow_run
+    flow = {"sft-teacher": _role(run["sft"], "teacher"), "sft-student": _role(run["sft"], "student"),
+            "opd": run["opd"].task["opd_result"].data, "grpo": run["grpo"].task["grpo_result"].data}
+    done = json.loads((reference / "done-0.json").read_text())
+    for stage, result in flow.items():
+        assert result.history == done[stage]["history"], stage
+        target = _h._target(stage)
+        with Checkpointer(result.checkpoint_dir, create=False) as got, \
+                Checkpointer(worker.checkpoint_dir(reference, stage), create=False) as want:
+            assert got.latest_step() == want.latest_step() == result.step == _last_step(stage), stage
+            assert got.read_meta()["history"] == want.read_meta()["history"], stage
+            a, b = (c.restore(target) for c in (want, got))
+        for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+            if hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), f"{stage}: {jax.tree_util.keystr(path)}"
+    assert parse_pipeline_config(worker.toml(worker.preset(PROCESSES)))["mesh"]["num_nodes"] == PROCESSES
