@@ -2,7 +2,7 @@
 devices and compiled for TPU from this host, which need not have one (libtpu's compiler only).
 
     python -m bd_train.plan flows/configs/sdar_8b.toml --topology v5p:2x2x2 [--stage all] [--num-slices 1]
-        [--mesh data=1,fsdp=8,model=1] [--cost all|"train step"|none] [--largest-batch] [--json plan.json]
+        [--mesh data=1,fsdp=8,model=1] [--cost all|"train step"|none] [--largest-batch [N]] [--json plan.json]
 
 Per stage (SFT of each role, OPD, GRPO) it compiles the train step (and, with `microbatches` > 1,
 the streamed step's two programs), the sampler's programs (rollouts, held-out decoding), the
@@ -15,8 +15,8 @@ under the table says what each column is. OPD's and GRPO's rollouts are costed f
 the sampler's denoising loop, compiled alone: its time, its bandwidth and compute bounds, tokens
 per second per chip, and one rollout batch's share of the stage's step. A stage that does not fit is
 re-planned with single changes — remat `full`, more microbatches, `fsdp` over the data axis,
-LoRA — and the first that fits is named; `--largest-batch` also finds each stage's largest batch
-per step that fits. No weights, data or tokenizer files are read: model
+LoRA — and the first that fits is named; `--largest-batch [N]` also finds each stage's largest
+batch per step that fits, among the configured one times 2^k, k <= N (default 4). No weights, data or tokenizer files are read: model
 shapes come from the preset (or a pretrained folder's config.json), data shapes from the canvas.
 
 Exit codes: 0 every stage planned fits; 1 a stage does not fit (or the compiler refuses one of its
@@ -499,8 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cost", choices=COSTS, default="all",
                         help="which programs get XLA's cost estimate (each needs a compile with every layer "
                              "unrolled; the rollouts' denoising step, which has no loop, is costed always)")
-    parser.add_argument("--largest-batch", action="store_true",
-                        help="also find each stage's largest batch per step that fits (more compiles)")
+    parser.add_argument("--largest-batch", nargs="?", type=int, const=4, default=None, metavar="DOUBLINGS",
+                        help="also find each stage's largest batch per step that fits, up to the configured one "
+                             "times 2^DOUBLINGS (default 4; every size tried compiles the stage's programs)")
     parser.add_argument("--json", default=None, help="also write the plan as JSON here")
     args = parser.parse_args(argv)
     path = Path(args.preset)
@@ -519,11 +520,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_plan(result))
     out = result.to_json()
-    if args.largest_batch:
+    if args.largest_batch is not None:
         for stage in out["stages"]:
             setting, batch = largest_batch(_with_attention(data, args.attention), stage["stage"], args.topology,
-                                           mesh=args.mesh,
-                                           num_slices=args.num_slices, memo=memo,
+                                           mesh=args.mesh, num_slices=args.num_slices, memo=memo,
+                                           doublings=args.largest_batch,
                                            log=lambda line: print(line, file=sys.stderr, flush=True))
             stage["largest_batch"] = [setting, batch]
             print(f"{stage['stage']}: largest {setting} that fits at the configured microbatches: "
