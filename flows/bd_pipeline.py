@@ -40,12 +40,15 @@ except ModuleNotFoundError as err:  # a Python outside the workspace venv, e.g. 
     sys.exit(f"bd_pipeline: this Python ({sys.executable}) has no Metaflow. Run the flow in the workspace venv: "
              "`make run PRESET=smoke` (sets it up), or `.venv/bin/python flows/bd_pipeline.py ...` after `make sync`.")
 
-from bd_core import with_huge_page_malloc  # noqa: E402  (after the metaflow check above)
-
 # Every local step runs in a process Metaflow starts from this one: malloc there backs XLA's
 # per-step buffers with huge pages instead of faulting them in 4 KiB at a time
-# (bd_core._host_memory). A Kubernetes pod needs GLIBC_TUNABLES in its own environment.
-with_huge_page_malloc(os.environ)
+# (bd_core._host_memory). A Kubernetes pod needs GLIBC_TUNABLES in its own environment. Processes
+# that inherit the tunable (every task and card Metaflow starts) skip bd_core, and so jax, when
+# they load the flow: the steps import what they need.
+if "glibc.malloc.hugetlb=" not in os.environ.get("GLIBC_TUNABLES", ""):
+    from bd_core import with_huge_page_malloc
+
+    with_huge_page_malloc(os.environ)
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "default.toml")
 
