@@ -119,6 +119,51 @@ def best_of_table(arms: dict, seeds: list[int]) -> list[str]:
     return lines
 
 
+def _correct(evaluation: dict) -> np.ndarray:
+    return np.asarray(evaluation["rewards"]) == 1.0
+
+
+def versus_table(arms: dict, seeds: list[int]) -> list[str]:
+    """GRPO against each verifier-only or continued control at the same wall-clock, and against
+    best-of-n of the OPD model: GRPO's greedy accuracy minus the other's, paired over the same
+    problems, per seed (± its paired standard error) and mean ± sd over seeds."""
+    grpo = arms.get("grpo", {})
+    rows = []
+    for name in [n for n in ARMS if n in arms and ARMS[n].matches == "grpo"]:
+        for u in sorted({p["updates"] for r in arms[name].values() for p in r["points"]}):
+            pairs = {s: (_point(grpo.get(s, {}), u), _point(arms[name].get(s, {}), u)) for s in seeds}
+            pairs = {s: (_correct(g["evaluation"]), _correct(c["evaluation"])) for s, (g, c) in pairs.items()
+                     if g is not None and c is not None}
+            rows.append((f"grpo − {name}", u, pairs))
+    best = arms.get("best_of_opd", {})
+    common = [{p["updates"] for p in r["points"]} for r in grpo.values()]
+    top = max(set.intersection(*common), default=0) if common else 0  # the longest run every seed has
+    for n in sorted({p["n"] for r in best.values() for p in r["points"]}):
+        for rule in ("logprob", "vote"):
+            pairs = {}
+            for s in seeds:
+                g, b = _point(grpo.get(s, {}), top), next((p for p in best.get(s, {}).get("points", [])
+                                                           if p["n"] == n), None)
+                if g is not None and b is not None and rule in b.get("correct", {}):
+                    pairs[s] = (_correct(g["evaluation"]), np.asarray([c == "1" for c in b["correct"][rule]]))
+            rows.append((f"grpo (greedy) − OPD best-of-{n} by {rule}", top, pairs))
+    lines = ["| GRPO against | at updates | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± sd |",
+             "|---|---|" + "---|" * (len(seeds) + 1)]
+    for label, u, pairs in rows:
+        if not pairs:
+            continue
+        cells, gains = [], []
+        for s in seeds:
+            if s not in pairs:
+                cells.append("—")
+                continue
+            d = pairs[s][0].astype(np.float64) - pairs[s][1]
+            gains.append(d.mean())
+            cells.append(f"{100 * d.mean():+.1f} ± {100 * d.std(ddof=1) / math.sqrt(len(d)):.1f}")
+        lines.append(f"| {label} | {u} | " + " | ".join(cells) + f" | {_mean_sd(gains)} ({len(gains)}) |")
+    return lines if len(lines) > 2 else []
+
+
 def plot(data: dict, path: Path) -> None:
     import matplotlib
 
@@ -132,7 +177,8 @@ def plot(data: dict, path: Path) -> None:
     studies = [s for s in data if "base" in data[s] and s != "smoke" and has_curves(s)]
     fig, axes = plt.subplots(1, max(1, len(studies)), figsize=(5 * max(1, len(studies)), 3.6), squeeze=False)
     colors = {"grpo": "tab:red", "grpo_exact": "tab:purple", "grpo_positions": "tab:orange", "grpo_rloo": "tab:pink",
-              "opd_more": "tab:blue", "sft_more": "tab:green", "rft": "tab:cyan", "grpo_from_sft": "tab:brown",
+              "opd_more": "tab:blue", "sft_more": "tab:green", "rft": "tab:cyan", "rft_lr1e-4": "tab:gray",
+              "grpo_from_sft": "tab:brown",
               "grpo_g4": "tab:olive"}
     for ax, study in zip(axes[0], studies):
         arms, base = data[study], data[study]["base"]
@@ -181,6 +227,12 @@ def report(results: Path) -> str:
                   "change in pass@1 at the rollout decoding (4 samples per problem). Controls (≙) ran for the "
                   "wall-clock of that many GRPO updates.", ""]
         lines += curve_table(arms, base, seeds) + [""]
+        versus = versus_table(arms, seeds)
+        if versus:
+            lines += ["GRPO's greedy held-out accuracy minus each control's at the same wall-clock (RFT: "
+                      "rejection-sampling fine-tuning, the verifier-only baseline) and minus best-of-n of the "
+                      "OPD model, in points, paired over the same problems (± the paired standard error):", ""]
+            lines += versus + [""]
         best = best_of_table(arms, seeds)
         if best:
             lines += [f"Best-of-n of the OPD model at the rollout decoding, one of n samples chosen without the "

@@ -16,8 +16,9 @@ the sampler's denoising loop, compiled alone: its time, its bandwidth and comput
 per second per chip, and one rollout batch's share of the stage's step. A stage that does not fit is
 re-planned with single changes — remat `full`, more microbatches, `fsdp` over the data axis,
 LoRA — and the first that fits is named; `--largest-batch [N]` also finds each stage's largest
-batch per step that fits, among the configured one times 2^k, k <= N (default 4). No weights, data or tokenizer files are read: model
-shapes come from the preset (or a pretrained folder's config.json), data shapes from the canvas.
+batch per step that fits, among the configured one times 2^k, k <= N (default 4). No weights,
+data or tokenizer files are read: model shapes come from the preset (or a pretrained folder's
+config.json), data shapes from the canvas.
 
 Exit codes: 0 every stage planned fits; 1 a stage does not fit (or the compiler refuses one of its
 programs); 2 an error (an unreadable preset, an invalid config, mesh or topology, libtpu missing).
