@@ -56,7 +56,8 @@ def summary(results: dict) -> dict:
     return {name: {"step": r.step, "history": r.history, "evaluation": r.evaluation.metrics(),
                    "curve": [[p.accuracy, p.mean_reward, p.nfe_per_token] for p in r.evaluation.accuracy_vs_nfe],
                    "decodings": [p.decoding for p in r.evaluation.accuracy_vs_nfe],
-                   "samples": [dataclasses.asdict(s) for s in r.evaluation.samples]} for name, r in results.items()}
+                   "samples": [dataclasses.asdict(s) for s in r.evaluation.samples], "seconds": r.seconds}
+            for name, r in results.items()}
 
 
 def run_single(out: Path) -> dict:

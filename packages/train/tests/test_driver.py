@@ -104,6 +104,37 @@ def test_a_fresh_state_compiles_to_the_program_of_its_restored_checkpoint(run):
     assert program.lower(state.model).as_text() == program.lower(restored).as_text()
 
 
+def test_every_update_runs_the_program_of_the_first(run):
+    """A state as OPD, GRPO and RFT build theirs: a restored model (committed to the device) with a
+    fresh optimizer state from `Trainer.init`. `drive` commits all of it before the first update, so
+    every update runs the first one's program; a state of mixed arrays would come back from its
+    first update all committed, and the second update would compile the step again."""
+    model_config, identity = run.model_config("student"), run.identity("student")
+    settings = run.optimizer_config(run.config.sft.optim, TOTAL)
+    optimizer = make_optimizer(settings)
+    directory = run.where.checkpoint_dir("start")
+    with Checkpointer(directory) as checkpoints:
+        checkpoints.save(run.fresh_state(model_config, optimizer, key=jax.random.key(0)),
+                         fingerprints={"identity": identity}, force=True)
+        checkpoints.wait()
+    trainer = Trainer(sft_objective, optimizer)
+    state = trainer.init(run.restore_model(directory, model_config, identity, what="the start"),
+                         key=jax.random.key(1))
+    data = run.sft_batches("sft-student")
+    programs = []
+
+    def step_fn(state, step):
+        batch = next(data)
+        programs.append(trainer.lower(state, batch).as_text())
+        return trainer.step(state, batch)
+
+    pinned = {"identity": identity, "training": run.training("sft-student")}
+    spec = StageSpec("sft-student", "student", "SFT", 3, pinned, settings.learning_rate_schedule(), ("loss",),
+                     jax.random.key(2))
+    drive(run, spec, state, step_fn, data)
+    assert len(programs) == 3 and len(set(programs)) == 1
+
+
 def test_fail_after_stops_right_after_a_saved_step_once(run, monkeypatch, capsys):
     monkeypatch.setenv("BDLM_PROGRESS", "1")  # the bar's lines as a log (not a terminal) gets them
     with pytest.raises(SimulatedFailure, match="sft-student: simulated failure after step 3"):

@@ -126,10 +126,13 @@ def test_splash_attention_compiles_for_tpu_with_its_kernels_costed(tmp_path):
 
 def test_a_preset_that_does_not_fit_is_refused_with_the_change_that_fits(tmp_path):
     """A 1.3B-parameter teacher replicated over 4 chips (data = 4) needs about 21 GB of weights,
-    gradients and AdamW moments on each v5e chip of 16 GiB; FSDP over the same chips fits."""
+    gradients and AdamW moments on each v5e chip of 16 GiB; FSDP over the same chips fits. (Its
+    remat is `full` already, so the remedies tried are the mesh's: no microbatch count splits its
+    4 rows further over 4 chips.)"""
     preset = tmp_path / "big.toml"
     preset.write_text(SMOKE.read_text().replace("[teacher]\nd_model = 32\nn_layers = 1\nn_heads = 2",
-                                                "[teacher]\nd_model = 4096\nn_layers = 5\nn_heads = 32\nd_ff = 16384")
+                                                "[teacher]\nd_model = 4096\nn_layers = 5\nn_heads = 32\nd_ff = 16384"
+                                                "\nremat = \"full\"")
                       .replace("batch_size = 16", "batch_size = 4"))
     done, plan = _plan(tmp_path, preset, "--topology", "v5e:2x2", "--mesh", "data=4", "--stage", "sft",
                        "--cost", "none")  # the fit and the remedy need memory only, not the unrolled cost compile
@@ -230,17 +233,17 @@ def test_a_batch_the_slice_cannot_split_is_planned_with_fewer_microbatches(tmp_p
 
 
 def test_largest_batch_doubles_the_configured_batch_while_the_stage_fits(tmp_path):
-    """`--largest-batch 3`: GRPO's prompts per step doubled (every program of the stage compiled for
-    memory at each size) while the stage fits, up to 2^3 times the configured one; the smoke
-    preset's tiny student fits 8x its batch, and its peak at 8x is above the configured one (XLA's
-    buffer assignment need not grow at every step between)."""
+    """`--largest-batch`: GRPO's prompts per step doubled (every program of the stage compiled for
+    memory at each size) while the stage fits, up to 2^4 times the configured one (the default);
+    the smoke preset's tiny student fits 16x its batch, and its peak at 16x is above the configured
+    one (XLA's buffer assignment need not grow at every step between: at 8x it was below)."""
     done, plan = _plan(tmp_path, SMOKE, "--topology", "v5e:2x2", "--mesh", "fsdp=4", "--stage", "grpo",
-                       "--no-remedies", "--cost", "none", "--largest-batch", "3")
+                       "--no-remedies", "--cost", "none", "--largest-batch")
     assert done.returncode == 0, done.stderr[-3000:]
     configured = Run(parse_pipeline_config(SMOKE.read_text())).config.grpo.prompts_per_step
-    assert plan["stages"][0]["largest_batch"] == ["[grpo] prompts_per_step", 8 * configured]
+    assert plan["stages"][0]["largest_batch"] == ["[grpo] prompts_per_step", 16 * configured]
     peaks = [float(line.split("peak ")[1].split(" GiB")[0]) for line in done.stderr.splitlines()
              if "grpo with [grpo] prompts_per_step = " in line]
-    assert len(peaks) == 4 and peaks[-1] > peaks[0]
-    assert f"grpo: largest [grpo] prompts_per_step that fits at the configured microbatches: {8 * configured}" \
+    assert len(peaks) == 5 and peaks[-1] > peaks[0]
+    assert f"grpo: largest [grpo] prompts_per_step that fits at the configured microbatches: {16 * configured}" \
         in done.stdout

@@ -28,7 +28,7 @@ from ._evaluate import Evaluation, eval_examples, evaluate, evaluate_report
 from ._guard import Guard
 from ._intervals import gain_intervals
 from ._plots import curves_png
-from ._run import Run, StageError, open_checkpoints
+from ._run import Run, StageError, committed, open_checkpoints
 from ._tracking import Tracker
 
 if TYPE_CHECKING:
@@ -143,6 +143,8 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
     that started before it."""
     cfg = run.config
     guard = spec.guard
+    if spec.mesh is None:  # one program per shape: a state of restored (committed) and fresh arrays would
+        state = committed(state)  # give way to an all-committed one after the first update, and compile again
     directory = run.where.checkpoint_dir(spec.name)
     checkpoints = open_checkpoints(directory, create=True, max_to_keep=cfg.run.max_to_keep,
                                    async_save=cfg.run.async_checkpoints)

@@ -414,7 +414,8 @@ class Run:
             saved = checkpoints.fingerprints()
             if "adapters" in saved:
                 target = self._adapted_target(saved["adapters"], model_config, identity, what=what, mesh=mesh)
-                return merge(checkpoints.restore_model(target, fingerprints={"identity": identity}))
+                model = merge(checkpoints.restore_model(target, fingerprints={"identity": identity}))
+                return model if mesh is not None else committed(model)
             target = eqx.filter_eval_shape(BlockDiffusionLM, model_config, key=jax.random.key(0))
             if mesh is not None:
                 specs = param_partition_specs(target, mesh)
