@@ -54,10 +54,11 @@ stages: sync
 
 # Two pytest workers (pytest-xdist), a test file each at a time so that module fixtures run once:
 # most tests spend their time compiling on one thread. The slowest files go first (conftest.py's
-# SLOW_FILES, in collection order). TEST_WORKERS=0 runs in this process alone.
+# SLOW_FILES, in collection order). TEST_WORKERS=0 runs in this process alone. A worker that
+# dies ends the run at once (--max-worker-restart 0): a restarted one once left the run waiting.
 TEST_WORKERS ?= 2
 test: sync
-	XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" $(RUN) pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
+	XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" $(RUN) pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 --durations=25
 
 # ruff (style, imports, bugbear) and pyright (types), configured in pyproject.toml.
 lint: sync
