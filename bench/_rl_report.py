@@ -227,28 +227,22 @@ def report(results: Path) -> str:
                   "change in pass@1 at the rollout decoding (4 samples per problem). Controls (≙) ran for the "
                   "wall-clock of that many GRPO updates.", ""]
         lines += curve_table(arms, base, seeds) + [""]
-        versus = versus_table(arms, seeds)
-        if versus:
-            lines += ["GRPO's greedy held-out accuracy minus each control's at the same wall-clock (RFT: "
-                      "rejection-sampling fine-tuning, the verifier-only baseline) and minus best-of-n of the "
-                      "OPD model, in points, paired over the same problems (± the paired standard error):", ""]
-            lines += versus + [""]
-        best = best_of_table(arms, seeds)
-        if best:
-            lines += [f"Best-of-n of the OPD model at the rollout decoding, one of n samples chosen without the "
-                      f"reference answer, held-out accuracy, mean over {len(seeds)} seed(s) "
-                      "(`python bench/rl_study.py best_of`):", ""]
-            lines += best + [""]
-        dynamics = dynamics_table(arms, seeds)
-        if len(dynamics) > 2:
-            lines += ["GRPO's own rollouts (temperature as the preset's `[grpo] sampler`) and gradients:", ""]
-            lines += dynamics + [""]
-        ascents = ascent_table(arms, seeds)
-        if ascents:
-            lines += ["Four GRPO updates on one batch of 128 prompts, from the OPD model: mean reward of 64 fresh "
-                      "rollouts of each of those prompts, and of 128 other training prompts, after each update "
-                      "(`python bench/rl_study.py ascent`):", ""]
-            lines += ascents + [""]
+        captions = [
+            ("GRPO's greedy held-out accuracy minus each control's at the same wall-clock (RFT: rejection-sampling "
+             "fine-tuning, the verifier-only baseline) and minus best-of-n of the OPD model, in points, paired over "
+             "the same problems (± the paired standard error):", versus_table(arms, seeds)),
+            (f"Best-of-n of the OPD model at the rollout decoding, one of n samples chosen without the reference "
+             f"answer, held-out accuracy, mean over {len(seeds)} seed(s) (`python bench/rl_study.py best_of`):",
+             best_of_table(arms, seeds)),
+            ("GRPO's own rollouts (temperature as the preset's `[grpo] sampler`) and gradients:",
+             dynamics_table(arms, seeds)),
+            ("Four GRPO updates on one batch of 128 prompts, from the OPD model: mean reward of 64 fresh rollouts of "
+             "each of those prompts, and of 128 other training prompts, after each update "
+             "(`python bench/rl_study.py ascent`):", ascent_table(arms, seeds)),
+        ]
+        for caption, table in captions:
+            if len(table) > 2:  # more than a header
+                lines += [caption, ""] + table + [""]
     return "\n".join(lines)
 
 
