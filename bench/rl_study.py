@@ -109,6 +109,7 @@ ARMS = {
     "grpo_positions": Arm("grpo", sections={**_grpo(), "task": {"params": {"credit": "positions"}}}),
     "grpo_rloo": Arm("grpo", sections=_grpo(advantage="rloo")),
     "grpo_g4": Arm("grpo", sections=_grpo(prompts_per_step=512, group_size=4)),
+    "grpo_lr2e-4": Arm("grpo", sections=_grpo(optim={"lr": 2e-4})),
     "grpo_lr3e-4": Arm("grpo", sections=_grpo(optim={"lr": 3e-4})),
     "grpo_lr3e-5": Arm("grpo", sections=_grpo(optim={"lr": 3e-5})),
     "opd_more": Arm("opd", sections={"opd": {"optim": CONTROL_OPTIM}}, matches="grpo"),
