@@ -22,14 +22,14 @@ MESH = "data = 2\nfsdp = 2\nmodel = 2"
 def config(mesh: str = MESH) -> dict:
     """The smoke preset with the student's SFT long enough (60 steps) that most completions are well
     formed: GRPO then sees rewards that differ within a group, so its updates carry signal, not float
-    noise. The teacher only has to exist for OPD: 10 steps. Evaluation takes 2 samples for pass@k and
+    noise. The teacher only has to exist for OPD: 4 steps. Evaluation takes 2 samples for pass@k and
     one threshold for the NFE curve."""
     import tomllib
 
     from bd_train.stages import parse_pipeline_config
 
     data = tomllib.loads(SMOKE.read_text() + f"\n[mesh]\n{mesh}\n")
-    data["sft"].update(steps=60, teacher_steps=10, optim={"lr": 1e-2, "warmup_steps": 2})
+    data["sft"].update(steps=60, teacher_steps=4, optim={"lr": 1e-2, "warmup_steps": 2})
     data["eval"].update(samples=2, thresholds=[0.9])  # pass@k and the NFE curve on the mesh, at least cost
     return parse_pipeline_config(data)
 

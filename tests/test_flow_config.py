@@ -29,19 +29,21 @@ def test_presets_are_valid(preset):
     assert config.canvas.prompt_len % config.canvas.block_size == 0
 
 
-def test_countdown_grpo_is_the_studys_grpo_arm(tmp_path):
-    """The countdown preset's GRPO is the setting `bench/rl_study.py` measured (its `grpo` arm at
-    128 updates): the README's numbers for it are the study's."""
+@pytest.mark.parametrize("preset, study, arm", [("countdown.toml", "countdown", "grpo"),
+                                                ("default.toml", "default", "grpo_lr2e-4")])
+def test_a_presets_stages_are_its_studys(tmp_path, preset, study, arm):
+    """The preset's stages are the chain and GRPO arm (at 128 updates) that `bench/rl_study.py`
+    measured: the numbers README and the results page give for the preset are the study's."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         from rl_study import ARMS, study_config
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    preset = pipeline_config(parse_pipeline_config((ROOT / "flows" / "configs" / "countdown.toml").read_text()))
-    study = pipeline_config(study_config("countdown", 0, tmp_path, ARMS["grpo"].sections, {"grpo": {"steps": 128}}))
-    assert preset.grpo == study.grpo
-    assert (preset.teacher, preset.student, preset.sft, preset.opd) == (study.teacher, study.student, study.sft,
-                                                                       study.opd)
+    config = pipeline_config(parse_pipeline_config((ROOT / "flows" / "configs" / preset).read_text()))
+    measured = pipeline_config(study_config(study, 0, tmp_path, ARMS[arm].sections, {"grpo": {"steps": 128}}))
+    assert config.grpo == measured.grpo
+    assert (config.task, config.canvas, config.teacher, config.student, config.sft, config.opd) == (
+        measured.task, measured.canvas, measured.teacher, measured.student, measured.sft, measured.opd)
 
 
 def test_the_studys_rft_arm_samples_as_its_grpo_arm(tmp_path):

@@ -13,7 +13,8 @@ unrolled twin `--cost` compiles, the compiler's FLOPs and estimated seconds (its
 timing) and from them the estimated MFU (model matmul FLOPs over the chip's bf16 peak); a legend
 under the table says what each column is. OPD's and GRPO's rollouts are costed from one step of
 the sampler's denoising loop, compiled alone: its time, its bandwidth and compute bounds, tokens
-per second per chip, and one rollout batch's share of the stage's step. A stage that does not fit is
+per second per chip, and one rollout batch's share of the stage's step. Once the compiler refuses
+one of a stage's programs, the stage's later programs are not compiled (it cannot fit), and it is
 re-planned with single changes — remat `full`, more microbatches, `fsdp` over the data axis,
 LoRA — and the first that fits is named; `--largest-batch [N]` also finds each stage's largest
 batch per step that fits, among the configured one times 2^k, k <= N (default 4). No weights,
@@ -161,13 +162,17 @@ def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topolo
         start = time.perf_counter()
         lowered = stage_programs(run, stage, mesh, cost=cost)
         log(f"  lowered {stage}'s {len(lowered)} programs in {time.perf_counter() - start:.0f} s")
-        for program in lowered:
+        for index, program in enumerate(lowered):
             start, known = time.perf_counter(), len(memo) if memo is not None else -1
             programs.append(compile_program(program, topo.chip, memo))
             if memo is not None and len(memo) == known:
                 log(f"  {stage}: {program.program}: compiled before (the same StableHLO)")
             else:
                 log(f"  compiled {stage}: {program.program} in {time.perf_counter() - start:.0f} s")
+            if programs[-1].refused and lowered[index + 1:]:  # the stage cannot fit: on to its remedies
+                log(f"  {stage}: {', '.join(p.program for p in lowered[index + 1:])} not compiled: "
+                    f"the {program.program} does not fit")
+                break
     result = StagePlan(stage, programs, topo.chip.usable_hbm)
     result.rollout = rollout_cost(result, topo.chip, topo.chips)
     return result
