@@ -30,7 +30,7 @@ def test_presets_are_valid(preset):
 
 
 @pytest.mark.parametrize("preset, study, arm", [("countdown.toml", "countdown", "grpo"),
-                                                ("default.toml", "default", "grpo_lr2e-4")])
+                                                ("default.toml", "countdown_teach", "grpo_lr2e-4")])
 def test_a_presets_stages_are_its_studys(tmp_path, preset, study, arm):
     """The preset's stages are the chain and GRPO arm (at 128 updates) that `bench/rl_study.py`
     measured: the numbers README and the results page give for the preset are the study's."""
