@@ -78,12 +78,12 @@ def _drop_compiled_programs():
 # (`--no-loadscope-reorder`; its default orders by test count, which left single-test chains of
 # minutes for the end, with one worker idle). Longest first keeps both workers busy to the end.
 SLOW_FILES = {
-    "tests/test_group.py": 499, "tests/test_stages_mesh.py": 225, "packages/train/tests/test_plan.py": 196,
-    "tests/test_pipeline.py": 181, "packages/train/tests/test_trainer.py": 111,
-    "packages/train/tests/test_distributed.py": 84, "tests/test_guides.py": 84, "tests/test_sigkill.py": 74,
-    "packages/train/tests/test_driver.py": 63, "packages/models/tests/test_sampler.py": 60,
-    "packages/train/tests/test_learning.py": 59, "packages/train/tests/test_guard.py": 55,
-    "packages/train/tests/test_checkpoint.py": 54, "packages/models/tests/test_sharding.py": 46,
+    "tests/test_group.py": 488, "tests/test_stages_mesh.py": 220, "packages/train/tests/test_plan.py": 202,
+    "tests/test_pipeline.py": 160, "packages/train/tests/test_trainer.py": 110,
+    "packages/train/tests/test_distributed.py": 79, "tests/test_guides.py": 75, "tests/test_sigkill.py": 70,
+    "packages/train/tests/test_guard.py": 56, "packages/models/tests/test_sampler.py": 56,
+    "packages/train/tests/test_checkpoint.py": 52, "packages/train/tests/test_learning.py": 50,
+    "packages/models/tests/test_sharding.py": 49, "packages/train/tests/test_driver.py": 47,
 }
 
 
