@@ -112,11 +112,13 @@ def test_every_stage_compiles_for_v5e_with_exact_bytes_per_chip(tmp_path):
 def test_splash_attention_compiles_for_tpu_with_its_kernels_costed(tmp_path):
     """`--attention splash`: GRPO's programs (rollouts, replay scoring and the train step over the
     packed replay) compile with TPU's splash kernels on a data x model mesh; the kernels' FLOPs,
-    which XLA cannot see, are added to its count, and the rest of the step is the same program."""
-    done, splash = _plan(tmp_path, SMOKE, "--topology", "v5e:2x2", "--mesh", "data=2,model=2", "--stage", "grpo",
-                         "--attention", "splash")
+    which XLA cannot see, are added to its count, and the rest of the step is the same program.
+    (`--cost "train step"`: every program compiles, and only the train step, whose figures are
+    compared, compiles its unrolled cost twin.)"""
+    args = ("--topology", "v5e:2x2", "--mesh", "data=2,model=2", "--stage", "grpo", "--cost", "train step")
+    done, splash = _plan(tmp_path, SMOKE, *args, "--attention", "splash")
     assert done.returncode == 0, done.stderr[-3000:]
-    done, blocked = _plan(tmp_path, SMOKE, "--topology", "v5e:2x2", "--mesh", "data=2,model=2", "--stage", "grpo")
+    done, blocked = _plan(tmp_path, SMOKE, *args)
     assert done.returncode == 0, done.stderr[-3000:]
     step = lambda plan: next(p for p in plan["stages"][0]["programs"] if p["program"] == "train step")  # noqa: E731
     assert step(splash)["kernel_flops"] > 0 and step(blocked)["kernel_flops"] == 0
