@@ -149,6 +149,9 @@ def test_a_preset_that_does_not_fit_is_refused_with_the_change_that_fits(tmp_pat
     assert step["argument"] >= step["params"] + step["optimizer"] > 15 * GiB and step["temp"] > 0
     assert step["argument"] + step["output"] - step["alias"] + step["temp"] == required
     assert available == CHIPS["v5e"].usable_hbm  # the chip table holds libtpu's own figure
+    # A stage that cannot fit is not compiled further: its held-out decoding is left out, and said so.
+    assert [p["program"] for p in teacher["programs"]][-1] == "train step"
+    assert "sft-teacher: held-out decoding not compiled: the train step does not fit" in done.stderr
     assert "| sft-teacher | train step | 5.00 | 10.01 | 15.01 (logical) |" in done.stdout
     # `--cost none`: no program has FLOPs or a time.
     assert all(p["flops"] is None and p["seconds"] is None for s in plan["stages"] for p in s["programs"])

@@ -33,6 +33,10 @@ _COUNTDOWN_PROMPT = re.compile(r"([0-9]+(?: [0-9]+)*)>([0-9]+)=")
 
 @functools.cache
 def _library(name: str, config: tuple[tuple[str, Any], ...]) -> Any:
+    if name == "countdown":  # the library's problems, made ~20x faster (see _countdown_gen)
+        from ._countdown_gen import countdown_problems
+
+        return countdown_problems(size=1 << 30, **dict(config))
     import reasoning_gym  # ~2 s to import: only tasks that are used pay for it
 
     return reasoning_gym.create_dataset(name, size=1 << 30, **dict(config))
