@@ -3,7 +3,8 @@
 The library makes each problem and its gold answer: `create_dataset(name, seed=seed, **params)[j]`
 is deterministic in (seed, j). Example i of a split takes j from that split's seed stream and keeps
 the problem only if its prompt hashes into the split (`GeneratedTask`), so the splits never share a
-prompt. Examples are made on first use and cached (countdown costs milliseconds each). Rewards never
+prompt. Examples are made on first use and cached (countdown's through `_countdown_gen`, the library's
+own problems made without sympy in the loop: about 0.1 ms each instead of 2). Rewards never
 evaluate the completion: countdown goes through `_safe_arith`; the others call the library's own
 scorer on a length-capped string.
 """
