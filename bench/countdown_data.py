@@ -9,18 +9,16 @@ placed on the canvas, stacked and corrupted). The entries are checked equal on t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import time
 import tomllib
-from pathlib import Path
-
-import dataclasses
 
 import reasoning_gym
 from _report import ROOT, write_results, write_section
 
-from bd_data import ByteTokenizer, CountdownTask, get_task, sft_dataset
+from bd_data import ByteTokenizer, CountdownTask, sft_dataset
 from bd_data._countdown_gen import countdown_problems
 from bd_train.stages import parse_pipeline_config, pipeline_config
 
@@ -40,16 +38,17 @@ def _library(config):
     return reasoning_gym.create_dataset("countdown", size=1 << 30, **dict(config))
 
 
-def _per_item(make, count: int) -> float:
+def _per_item(make, indices) -> float:
     start = time.perf_counter()
-    for j in range(count):
+    for j in indices:
         make(j)
-    return (time.perf_counter() - start) / count
+    return (time.perf_counter() - start) / len(indices)
 
 
 def main() -> None:
-    config = pipeline_config(parse_pipeline_config(tomllib.loads((ROOT / "flows" / "configs" / "default.toml").read_text())))
-    task = get_task(config.task.name, **config.task.params)
+    preset = (ROOT / "flows" / "configs" / "default.toml").read_text()
+    config = pipeline_config(parse_pipeline_config(tomllib.loads(preset)))
+    task = CountdownTask(**config.task.params)
     settings = dict(size=1 << 30, **task.library_config())
     library, ours = reasoning_gym.create_dataset("countdown", **settings), countdown_problems(**settings)
     offset = 0
@@ -57,14 +56,14 @@ def main() -> None:
     for _ in range(ROUNDS):
         indices = range(offset, offset + PROBLEMS)
         assert [ours[j] for j in indices[:200]] == [library[j] for j in indices[:200]]
-        times["library"].append(_per_item(lambda j: library[offset + j], PROBLEMS))
-        times["ours"].append(_per_item(lambda j: ours[offset + j], PROBLEMS))
+        times["library"].append(_per_item(library.__getitem__, indices))
+        times["ours"].append(_per_item(ours.__getitem__, indices))
         # the default preset's SFT batches, of problems never made before (their cache is cold)
         for name, kind in (("batch", CountdownTask), ("library_batch", _LibraryCountdown)):
             source = kind(seed=1000 + offset, **config.task.params).dataset("train")
             data = sft_dataset(source, ByteTokenizer(), config.canvas, config.sft.corruption, seed=offset,
                                batch_size=config.sft.batch_size, shard_index=0, shard_count=1)
-            times[name].append(_per_item(lambda j: data[j], BATCHES))
+            times[name].append(_per_item(data.__getitem__, range(BATCHES)))
         offset += PROBLEMS
     median = {k: statistics.median(v) for k, v in times.items()}
     results = {"library_ms": median["library"] * 1e3, "ours_ms": median["ours"] * 1e3,
