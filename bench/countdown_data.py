@@ -19,7 +19,6 @@ import reasoning_gym
 from _report import ROOT, write_results, write_section
 
 from bd_data import ByteTokenizer, CountdownTask, sft_dataset
-from bd_data._countdown_gen import countdown_problems
 from bd_train.stages import parse_pipeline_config, pipeline_config
 
 PROBLEMS, BATCHES, ROUNDS = 2000, 40, 3
@@ -50,7 +49,7 @@ def main() -> None:
     config = pipeline_config(parse_pipeline_config(tomllib.loads(preset)))
     task = CountdownTask(**config.task.params)
     settings = dict(size=1 << 30, **task.library_config())
-    library, ours = reasoning_gym.create_dataset("countdown", **settings), countdown_problems(**settings)
+    library, ours = reasoning_gym.create_dataset("countdown", **settings), task.library_dataset()
     offset = 0
     times: dict[str, list[float]] = {"library": [], "ours": [], "batch": [], "library_batch": []}
     for _ in range(ROUNDS):

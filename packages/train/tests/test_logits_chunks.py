@@ -4,6 +4,7 @@ the packed length and sizes that leave a shorter last chunk."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import equinox as eqx
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from bd_core import DiffusionTokenBatch, DistillationBatch, ViewLayout
-from bd_models import BlockDiffusionLM, ModelConfig, SamplingDistribution, map_logits, token_logprobs
+from bd_models import BlockDiffusionLM, ModelConfig, SamplingDistribution, map_logits, token_logprobs, unroll_layers
 from bd_train import GRPOBatch, GRPOConfig, OPDConfig, make_grpo_loss, make_opd_loss, sft_objective
 from bd_train._grpo import distribution_score
 
@@ -134,3 +135,23 @@ def test_replay_logprobs_and_grpo_gradients_equal_the_whole_logits(chunk, name):
 def test_logits_chunk_is_validated():
     with pytest.raises(ValueError, match="logits_chunk"):
         _model().config.replace(logits_chunk=-1)
+
+
+def test_unrolled_for_cost_the_chunked_logits_count_their_whole_work():
+    """The plan reads costs from programs traced inside `unroll_layers`, where XLA's cost analysis,
+    which counts a loop's body once, must see every chunk of the logits: the chunked SFT step then
+    counts the whole-logits step's FLOPs (to the chunks' slicing), where the rolled loop counts one
+    chunk's share of the head."""
+    model, batch = _model(), _batch(1)
+
+    def flops(m, *, unrolled: bool = True) -> float:
+        params, static = eqx.partition(m, eqx.is_array)
+        step = jax.jit(jax.grad(lambda p: sft_objective(eqx.combine(p, static), batch).loss.compute()))
+        with unroll_layers() if unrolled else contextlib.nullcontext():
+            cost = step.lower(params).compile().cost_analysis()
+        return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+    whole, chunked = flops(model), flops(model.with_logits_chunk(4))
+    assert chunked == pytest.approx(whole, rel=0.01)
+    # what the twin counted before the chunk loop was unrolled too: one chunk's share of the head
+    assert flops(model.with_logits_chunk(4), unrolled=False) < 0.9 * chunked

@@ -47,7 +47,6 @@ from ._lowering import lower_denoising_step as lower_denoising_step
 from ._lowering import lower_sample as lower_sample
 from ._mask import tile_needed as tile_needed
 from ._model import BlockDiffusionLM as BlockDiffusionLM
-from ._model import unroll_layers as unroll_layers
 from ._sampler import RecomputeModel as RecomputeModel
 from ._sampler import concat_layouts as concat_layouts
 from ._sampler import sample as sample
@@ -70,5 +69,6 @@ from ._sharding import param_partition_specs as param_partition_specs
 from ._sharding import shard_batch as shard_batch
 from ._sharding import shard_model as shard_model
 from ._sharding import to_host as to_host
+from ._unroll import unroll_layers as unroll_layers
 
 __version__ = "0.1.0"

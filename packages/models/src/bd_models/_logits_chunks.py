@@ -22,6 +22,8 @@ from jax import lax
 
 from bd_core import ViewLayout
 
+from ._unroll import unrolled
+
 
 def logits_chunk(model: Any) -> int:
     """The model's `config.logits_chunk` (0, the whole logits at once, for a model without one)."""
@@ -53,7 +55,9 @@ def map_logits(model: Any, layout: ViewLayout, fn: Callable[..., Any], *per_posi
         return jax.checkpoint(run, prevent_cse=False)(h_BxTxD, args, start)
 
     whole = length // chunk
-    out = lax.map(lambda i: piece(i * chunk, chunk), jnp.arange(whole, dtype=jnp.int32))
+    # `lax.map`'s scan, unrolled for XLA's cost analysis inside `unroll_layers` (the same arithmetic)
+    _, out = lax.scan(lambda _, i: (None, piece(i * chunk, chunk)), None, jnp.arange(whole, dtype=jnp.int32),
+                      unroll=unrolled())
     # [N, B, C, ...] -> [B, N*C, ...]
     out = jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape((y.shape[1], whole * chunk) + y.shape[3:]), out)
     rest = length - whole * chunk

@@ -7,9 +7,6 @@ Shape letters: see bd_core (B, T, S cache slots, L, D, K, G, E, V); `BT` is the 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -23,20 +20,7 @@ from ._attention import attend, cached_attention
 from ._cache import KVCache
 from ._config import ModelConfig
 from ._layers import DecoderLayer, rms_norm, rope_angles, rope_table
-
-_UNROLL = contextvars.ContextVar("bd_models_unroll_layers", default=False)
-
-
-@contextlib.contextmanager
-def unroll_layers():
-    """Trace the decoder's layer scan fully unrolled inside this block: the same arithmetic, one
-    copy of the layer per layer in the program. XLA's cost analysis counts a loop's body once
-    whatever its trip count, so ahead-of-time FLOP and time estimates lower the model this way."""
-    token = _UNROLL.set(True)
-    try:
-        yield
-    finally:
-        _UNROLL.reset(token)
+from ._unroll import unrolled
 
 
 def remat_layer(layer_step, policy: str):
@@ -154,7 +138,7 @@ class BlockDiffusionLM(eqx.Module):
             return layer.finish(x_BxTxD, jnp.transpose(out_BxKxGxTxE, (0, 3, 1, 2, 4)), config), None
 
         x, _ = lax.scan(remat_layer(layer_step, config.remat), x.astype(config.compute_jnp_dtype), self.layers,
-                        unroll=_UNROLL.get())
+                        unroll=unrolled())
         return self._final_norm(x)
 
     def _final_norm(self, x_BxTxD) -> Float[Array, "B T D"]:
