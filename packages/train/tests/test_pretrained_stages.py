@@ -119,7 +119,7 @@ def test_a_hub_repo_pins_its_commit_and_a_moved_branch_is_refused_by_name(hub_ca
     naming the commit, and `[run] allow_changes` can accept it deliberately."""
     from bd_core import FingerprintMismatch
     from bd_train import Checkpointer
-    from bd_train.stages import _config
+    from bd_train.stages import _sections
 
     repo = "bdlm-test/tiny-sdar"
     snapshot = hub_cache("sdar", repo, "a" * 40)
@@ -133,7 +133,7 @@ def test_a_hub_repo_pins_its_commit_and_a_moved_branch_is_refused_by_name(hub_ca
         checkpoints.save(state, fingerprints={"identity": identity})
 
     hub_cache("sdar", repo, "b" * 40)  # the branch moved to another commit
-    _config._resolve_in.cache_clear()  # a new process, as a resume is
+    _sections._resolve_in.cache_clear()  # a new process, as a resume is
     moved = Run(parse_pipeline_config(_preset(Path(repo), Path(repo)))).identity("student")
     with Checkpointer(tmp_path / "ckpt", create=False) as checkpoints:
         with pytest.raises(FingerprintMismatch, match=r"identity\.pretrained_source\.commit"):

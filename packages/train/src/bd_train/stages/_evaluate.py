@@ -29,8 +29,8 @@ from ._plots import accuracy_nfe_png, trace_png, trace_text
 from ._rollout import roll_out
 
 if TYPE_CHECKING:
-    from ._config import SamplerSection
     from ._run import Run
+    from ._stage_sections import SamplerSection
 
 ONE_PER_STEP = "one per step"
 

@@ -54,9 +54,10 @@ from .._checkpoint import Checkpointer, CheckpointError
 from .._fingerprints import model_identity, rollout_semantics
 from .._optim import OptimizerConfig
 from .._trainer import TrainState
-from ._config import OptimSection, PipelineConfig, SamplerSection, pipeline_config
+from ._config import PipelineConfig, pipeline_config
 from ._config_io import to_dict
 from ._errors import StageError as StageError
+from ._stage_sections import OptimSection, SamplerSection
 
 ROLES = ("teacher", "student")
 # Each stage's random stream: its key is `fold_in(key(seed), index)` and its data seed
