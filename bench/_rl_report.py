@@ -123,30 +123,43 @@ def _correct(evaluation: dict) -> np.ndarray:
     return np.asarray(evaluation["rewards"]) == 1.0
 
 
-def versus_table(arms: dict, seeds: list[int]) -> list[str]:
-    """GRPO against each verifier-only or continued control at the same wall-clock, and against
-    best-of-n of the OPD model: GRPO's greedy accuracy minus the other's, paired over the same
-    problems, per seed (± its paired standard error) and mean ± sd over seeds."""
-    grpo = arms.get("grpo", {})
+# The GRPO arm a study's controls are compared with: its preset's own (default.toml runs GRPO at 2e-4).
+LEAD = {"countdown_teach": "grpo_lr2e-4"}
+
+
+def _versus_rows(arms: dict, seeds: list[int], lead: str) -> list[tuple[str, int, dict]]:
+    grpo = arms.get(lead, {})
     rows = []
     for name in [n for n in ARMS if n in arms and ARMS[n].matches == "grpo"]:
         for u in sorted({p["updates"] for r in arms[name].values() for p in r["points"]}):
             pairs = {s: (_point(grpo.get(s, {}), u), _point(arms[name].get(s, {}), u)) for s in seeds}
             pairs = {s: (_correct(g["evaluation"]), _correct(c["evaluation"])) for s, (g, c) in pairs.items()
                      if g is not None and c is not None}
-            rows.append((f"grpo − {name}", u, pairs))
+            rows.append((f"{lead} − {name}", u, pairs))
     best = arms.get("best_of_opd", {})
     common = [{p["updates"] for p in r["points"]} for r in grpo.values()]
-    top = max(set.intersection(*common), default=0) if common else 0  # the longest run every seed has
-    for n in sorted({p["n"] for r in best.values() for p in r["points"]}):
-        for rule in ("logprob", "vote"):
-            pairs = {}
-            for s in seeds:
-                g, b = _point(grpo.get(s, {}), top), next((p for p in best.get(s, {}).get("points", [])
-                                                           if p["n"] == n), None)
-                if g is not None and b is not None and rule in b.get("correct", {}):
-                    pairs[s] = (_correct(g["evaluation"]), np.asarray([c == "1" for c in b["correct"][rule]]))
-            rows.append((f"grpo (greedy) − OPD best-of-{n} by {rule}", top, pairs))
+    points = sorted(set.intersection(*common) - {0}) if common else []  # the runs every seed has
+    for top in points:
+        for n in sorted({p["n"] for r in best.values() for p in r["points"]}):
+            for rule in ("logprob", "vote"):
+                pairs = {}
+                for s in seeds:
+                    g, b = _point(grpo.get(s, {}), top), next((p for p in best.get(s, {}).get("points", [])
+                                                               if p["n"] == n), None)
+                    if g is not None and b is not None and rule in b.get("correct", {}):
+                        pairs[s] = (_correct(g["evaluation"]), np.asarray([c == "1" for c in b["correct"][rule]]))
+                rows.append((f"{lead} (greedy) − OPD best-of-{n} by {rule}", top, pairs))
+    return rows
+
+
+def versus_table(arms: dict, seeds: list[int], lead: str = "grpo") -> list[str]:
+    """The `lead` GRPO arm (and the study's `grpo` arm, if another) against each verifier-only or
+    continued control at the same wall-clock, and against best-of-n of the OPD model: GRPO's greedy
+    accuracy minus the other's, paired over the same problems, per seed (± its paired standard
+    error) and mean ± sd over seeds."""
+    rows = []
+    for arm in dict.fromkeys([lead, "grpo"]):
+        rows += _versus_rows(arms, seeds, arm)
     lines = ["| GRPO against | at updates | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± sd |",
              "|---|---|" + "---|" * (len(seeds) + 1)]
     for label, u, pairs in rows:
@@ -230,7 +243,8 @@ def report(results: Path) -> str:
         captions = [
             ("GRPO's greedy held-out accuracy minus each control's at the same wall-clock (RFT: rejection-sampling "
              "fine-tuning, the verifier-only baseline) and minus best-of-n of the OPD model, in points, paired over "
-             "the same problems (± the paired standard error):", versus_table(arms, seeds)),
+             "the same problems (± the paired standard error):",
+             versus_table(arms, seeds, LEAD.get(study, "grpo"))),
             (f"Best-of-n of the OPD model at the rollout decoding, one of n samples chosen without the reference "
              f"answer, held-out accuracy, mean over {len(seeds)} seed(s) (`python bench/rl_study.py best_of`):",
              best_of_table(arms, seeds)),
