@@ -4,6 +4,7 @@ failure raised, a kill mid-save)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -267,19 +268,39 @@ def test_an_async_save_keeps_the_values_at_save_and_is_listed_once_committed(tmp
     print(f"step 2 was {'committed' if committed else 'in flight'} when save returned")
 
 
+def _damage_step_2_while_it_is_written(folder) -> bool:
+    """Move step 2's temp folder away and put a file in its place, so that the rest of its writes
+    and its rename fail; False when the background save won the race (committed, or made the
+    folder again, before the damage landed: on a loaded host it can)."""
+    temp = [p for p in folder.iterdir() if p.name.startswith("2.orbax-checkpoint-tmp")]
+    if not temp:
+        return False
+    try:
+        temp[0].rename(folder.parent / f"{folder.name}-moved")  # what was written so far goes away
+        temp[0].write_text("not a folder")
+    except OSError:
+        return False
+    return True
+
+
 def test_a_failed_async_save_is_raised_at_the_next_wait_and_never_listed(tmp_path):
-    with Checkpointer(tmp_path, async_save=True) as checkpointer:
-        checkpointer.save(async_save_worker.state(1))
-        checkpointer.save(async_save_worker.state(2))
-        temp = [p for p in tmp_path.iterdir() if p.name.startswith("2.orbax-checkpoint-tmp")]
-        assert temp, "step 2 was committed before the test could damage its temp dir"
-        temp[0].rename(tmp_path.parent / f"{tmp_path.name}-moved")  # what was written so far goes away
-        temp[0].write_text("not a folder")  # and the rest of step 2's writes and its rename fail
-        with pytest.raises(CheckpointError, match="asynchronous save of step 2 failed in the background"):
-            checkpointer.wait()
-        assert checkpointer.all_steps() == [1]
-        checkpointer.save(async_save_worker.state(3))  # saving goes on after the error was raised
-    with Checkpointer(tmp_path, create=False) as checkpointer:
+    for attempt in range(3):  # a fresh folder when the background save won the race to the damage
+        folder = tmp_path / f"attempt{attempt}"
+        with Checkpointer(folder, async_save=True) as checkpointer:
+            checkpointer.save(async_save_worker.state(1))
+            checkpointer.save(async_save_worker.state(2))
+            if not _damage_step_2_while_it_is_written(folder):
+                with contextlib.suppress(CheckpointError):  # a half-landed damage may still fail it
+                    checkpointer.wait()
+                continue
+            with pytest.raises(CheckpointError, match="asynchronous save of step 2 failed in the background"):
+                checkpointer.wait()
+            assert checkpointer.all_steps() == [1]
+            checkpointer.save(async_save_worker.state(3))  # saving goes on after the error was raised
+        break
+    else:
+        pytest.fail("the background save of step 2 finished before the test could damage it, 3 times")
+    with Checkpointer(folder, create=False) as checkpointer:
         assert checkpointer.all_steps() == [1, 3]
         checkpointer.restore(async_save_worker.state(0), step=3)
 
