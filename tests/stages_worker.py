@@ -1,8 +1,8 @@
-"""The whole stage chain (teacher and student SFT, OPD, GRPO) on a (data 2, fsdp 2, model 2) mesh
-of the smoke preset: run as one process of a group (`python stages_worker.py <coordinator> <count>
-<id> <dir>`, each process with 8/count CPU devices), or as one process on 8 devices (`python
-stages_worker.py single <dir>`, which also runs the student's SFT on one device as the reference).
-Each writes the stages' histories and evaluations to `<dir>/stages-<id>.json` (`stages-single.json`).
+"""The whole stage chain (teacher and student SFT, OPD, GRPO) of the smoke preset: run as one
+process of a group on a (data 2, fsdp 2, model 2) mesh (`python stages_worker.py <coordinator>
+<count> <id> <dir>`, each process with 8/count CPU devices), or unsharded, as one process on one
+device (`python stages_worker.py single <dir>`), the reference the group is held to. Each writes the
+stages' histories and evaluations to `<dir>/stages-<id>.json` (`stages-single.json`).
 
 The tests run every chain in processes of its own: compiling the 8-device OPD step inside the
 long-lived test process aborted twice late in a full run, and never in a fresh process."""
@@ -34,19 +34,20 @@ def config(mesh: str = MESH) -> dict:
     return parse_pipeline_config(data)
 
 
-def run_stages(directory: Path, run_id: str = "mesh") -> dict:
-    """Every stage in `directory` (checkpoints and W&B under its runs/); returns the results."""
+def run_stages(directory: Path, mesh: str = MESH, run_id: str = "mesh") -> dict:
+    """Every stage in `directory` on `mesh` (checkpoints and W&B under its runs/); returns the
+    results."""
     from bd_train.stages import RunDir, run_grpo, run_opd, run_sft
 
     cwd = os.getcwd()
     os.chdir(directory)
     try:
-        sharded = config()
-        where = RunDir.create(sharded, run_id=run_id)
-        teacher = run_sft(sharded, where, role="teacher")
-        student = run_sft(sharded, where, role="student")
-        opd = run_opd(sharded, where, teacher=teacher, student=student)
-        grpo = run_grpo(sharded, where, start=opd)
+        chain = config(mesh)
+        where = RunDir.create(chain, run_id=run_id)
+        teacher = run_sft(chain, where, role="teacher")
+        student = run_sft(chain, where, role="student")
+        opd = run_opd(chain, where, teacher=teacher, student=student)
+        grpo = run_grpo(chain, where, start=opd)
     finally:
         os.chdir(cwd)
     return {"teacher": teacher, "student": student, "opd": opd, "grpo": grpo}
@@ -61,20 +62,9 @@ def summary(results: dict) -> dict:
 
 
 def run_single(out: Path) -> dict:
-    """The chain in this process on its 8 devices, and the student's SFT on one device."""
-    from bd_train.stages import RunDir, run_sft
-
-    (out / "mesh").mkdir()
+    """The chain in this process on one device, unsharded."""
     (out / "single").mkdir()
-    results = summary(run_stages(out / "mesh"))
-    cwd = os.getcwd()
-    os.chdir(out / "single")
-    try:
-        single = config("data = 1")
-        reference = run_sft(single, RunDir.create(single, run_id="single"), role="student")
-    finally:
-        os.chdir(cwd)
-    return {**results, "reference": {"history": reference.history}}
+    return summary(run_stages(out / "single", mesh="data = 1", run_id="single"))
 
 
 if __name__ == "__main__":
@@ -82,7 +72,7 @@ if __name__ == "__main__":
 
     if sys.argv[1] == "single":
         out = Path(sys.argv[2])
-        assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+        assert jax.device_count() == 1, "run without --xla_force_host_platform_device_count"
         (out / "stages-single.json").write_text(json.dumps(run_single(out)))
         sys.exit(0)
 
