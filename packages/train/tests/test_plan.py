@@ -261,4 +261,3 @@ def test_largest_batch_doubles_the_configured_batch_while_the_stage_fits(tmp_pat
     assert all(peak > 0 for peak in peaks)
     assert f"grpo: largest [grpo] prompts_per_step that fits at the configured microbatches: {2 * configured}" \
         in done.stdout
-

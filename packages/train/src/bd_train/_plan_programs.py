@@ -34,14 +34,13 @@ from bd_models import (
 from ._grpo import GRPOBatch, distribution_score, make_grpo_loss
 from ._opd import OPDConfig, make_opd_loss
 from ._optim import make_optimizer
-from ._plan_shapes import CutRun, bytes_per_chip, diffusion_batch, model_maker, place_batch, place_state, sds
+from ._plan_shapes import bytes_per_chip, diffusion_batch, model_maker, place_batch, place_state, sds
 from ._replay import replay_capacity
 from ._sft import sft_objective
 from ._tpu import refusal_bytes
 from ._trainer import Trainer, TrainerConfig, TrainState
 
-COSTS = ("all", "extrapolated", "train step", "none")  # which programs a plan costs, and how (`plan`)
-CUT_LAYERS = (2, 4)  # the depths `--cost extrapolated` compiles the unrolled twins at
+COSTS = ("all", "train step", "none")  # which programs a plan costs (`stage_programs`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +55,7 @@ class ProgramPlan:
     for a program the compiler refuses (`memory_from` "logical"), the arguments' and outputs'
     logical bytes and the rest of the total the compiler named (`required`) as temporaries.
     `flops`, `bytes_accessed` and `seconds` are None where no unrolled twin was costed (`--cost`,
-    and the samplers): the scanned program's own count holds one pass of each loop, not the work;
-    `cost_from` says where they come from: the program's own unrolled twin, or twins of the model
-    cut to fewer layers, extrapolated (an approximation).
+    and the samplers): the scanned program's own count holds one pass of each loop, not the work.
 
     Attributes:
         stage: the stage the program belongs to.
@@ -81,9 +78,6 @@ class ProgramPlan:
             step at least: rows x block / steps cap), "steps" (of one rollout batch at most)}.
         memory_from: `xla` (the compiler's buffer assignment) or `logical` (a refused program: shapes' bytes).
         required: a refused program's total bytes per chip as the compiler named them, else None.
-        cost_from: `unrolled` (the program's own twin, every layer unrolled), `extrapolated` (twins of
-            the model cut to 2 and 4 layers, extended linearly to its depth: an approximation), or
-            empty where nothing was costed.
     """
 
     stage: str
@@ -104,8 +98,7 @@ class ProgramPlan:
     kernel_flops: float = 0.0  # splash's kernels, which XLA's cost analysis cannot see into (in `flops`)
     memory_from: str = "xla"  # "logical": a refused program's arguments and outputs from their shapes
     required: int | None = None  # a refused program's total, as the compiler's message names it
-    rollout: dict[str, int | float] | None = None  # one denoising step: rows, tokens_per_step, steps
-    cost_from: str = ""  # "unrolled": the program's own twin; "extrapolated": from cut models' twins
+    rollout: dict[str, float] | None = None  # one denoising step: rows, tokens_per_step, steps
 
     @property
     def peak(self) -> int:
@@ -129,40 +122,9 @@ class _Program:
     params: int = 0
     optimizer: int = 0
     model_flops: float | None = None
-    cost: tuple[Any, int] | Extrapolated | None = None
+    cost: tuple[Any, int] | None = None
     kernel_flops: float = 0.0
-    rollout: dict[str, int | float] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Extrapolated:
-    """A program's cost read from the unrolled twins of its model cut to two depths (`points`:
-    layers, the twin lowered at that depth, its multiplicity) and extended linearly to the model's
-    own `layers`. XLA's counts are close to linear in the layers but not exactly (SCALING.md), so
-    the figures are an approximation, and a plan marks them so."""
-
-    layers: int
-    points: tuple[tuple[int, Any, int], tuple[int, Any, int]]
-
-
-def _extrapolated(run: Any, stage: str, mesh: jax.sharding.Mesh) -> list[_Program]:
-    """`stage`'s programs with `Extrapolated` costs: the twins of the stage lowered again from each
-    role's model cut to 2 and 4 layers (`CUT_LAYERS`), at the role's own depth. A role no deeper
-    than the cut keeps its depth in both cuts: its twin is the program's own, exactly."""
-    layers = {role: run.model_config(role).n_layers for role in ("teacher", "student")}
-    low, high = ({role: cut if n > CUT_LAYERS[-1] else n for role, n in layers.items()} for cut in CUT_LAYERS)
-    cuts = [stage_programs(CutRun(run, depths), stage, mesh, cost="all") for depths in (low, high)]
-    out = []
-    for program, short, tall in zip(stage_programs(run, stage, mesh, cost="none"), *cuts, strict=True):
-        assert program.program == short.program == tall.program, (program.program, short.program, tall.program)
-        if program.cost is not None or short.cost is None or tall.cost is None:
-            out.append(program)  # costed as it is (a denoising step), or not at all (a sampler)
-            continue
-        role = "teacher" if program.stage == "sft-teacher" or program.program == "teacher forward" else "student"
-        assert isinstance(short.cost, tuple) and isinstance(tall.cost, tuple)
-        points = ((low[role], *short.cost), (high[role], *tall.cost))
-        out.append(dataclasses.replace(program, cost=Extrapolated(layers[role], points)))
-    return out
+    rollout: dict[str, float] | None = None
 
 
 def splash_flops(config: ModelConfig, tokens: tuple[int, int], passes: int, chips: int) -> float:
@@ -257,12 +219,10 @@ def _rows(rows: int, mesh: jax.sharding.Mesh) -> int:
 def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str = "all") -> list[_Program]:
     """Every program `stage` ("sft-teacher", "sft-student", "opd" or "grpo") of `run` (a
     `shapes_run`) compiles, and the unrolled twins its cost estimates come from: for every program
-    but the samplers' with `cost="all"`, the same from the models cut to 2 and 4 layers with
-    `"extrapolated"`, the scanned train step's alone with `"train step"`, none with `"none"`."""
+    but the samplers' with `cost="all"`, the scanned train step's alone with `"train step"`, none
+    with `"none"`."""
     if cost not in COSTS:
         raise ValueError(f"cost={cost!r}: one of {', '.join(COSTS)}")
-    if cost == "extrapolated":
-        return _extrapolated(run, stage, mesh)
     from .stages._rollout import grpo_config
 
     cfg, canvas = run.config, run.config.canvas
@@ -411,36 +371,20 @@ def compile_program(program: _Program, chip: Any, memo: dict[str, _Figures] | No
     figures = _figures(program.lowered, memo)
     if figures.refused is not None:
         return _refused(program, figures.refused)
-    seconds, source, cost_from = None, "", ""
+    seconds, source = None, ""
     if program.cost is not None:
-        cost = _twin_cost(program.cost, memo)
-        cost_from = "extrapolated" if isinstance(program.cost, Extrapolated) else "unrolled"
-        flops = float(cost.get("flops", 0.0)) + program.kernel_flops
-        accessed = float(cost.get("bytes accessed", 0.0))
+        lowered, times = program.cost
+        cost = _figures(lowered, memo).cost
+        flops = times * float(cost.get("flops", 0.0)) + program.kernel_flops
+        accessed = times * float(cost.get("bytes accessed", 0.0))
         if not cost:  # XLA's cost analysis returned nothing for this program: no estimate
             seconds, source = None, ""
         elif cost.get("optimal_seconds", -1.0) > 0:  # negative: the cost model has no estimate
-            seconds, source = float(cost["optimal_seconds"]) + program.kernel_flops / chip.peak_flops, "xla"
+            seconds, source = times * float(cost["optimal_seconds"]) + program.kernel_flops / chip.peak_flops, "xla"
         else:
             seconds, source = max(flops / chip.peak_flops, accessed / chip.hbm_bandwidth), "roofline"
     else:  # the scanned program's count holds one pass of each loop: not the work, so none
         flops = accessed = None
     return ProgramPlan(program.stage, program.program, *figures.memory, program.params, program.optimizer, flops,
                        accessed, seconds, source, program.model_flops, kernel_flops=program.kernel_flops,
-                       rollout=program.rollout, cost_from=cost_from)
-
-
-def _twin_cost(twin: tuple[Any, int] | Extrapolated, memo: dict[str, _Figures] | None) -> dict[str, float]:
-    """XLA's cost of a twin times its multiplicity; of an `Extrapolated` one, each figure on the
-    line through its two depths, at the model's depth (the cost model's time only where it gave one
-    at both; {} where either count is empty)."""
-    if not isinstance(twin, Extrapolated):
-        lowered, times = twin
-        return {key: times * float(value) for key, value in _figures(lowered, memo).cost.items()}
-    (k1, low, t1), (k2, high, t2) = twin.points
-    a, b = _twin_cost((low, t1), memo), _twin_cost((high, t2), memo)
-    if not a or not b:
-        return {}
-    slope = (lambda key: (b[key] - a[key]) / (k2 - k1)) if k2 != k1 else (lambda key: 0.0)
-    return {key: a[key] + (twin.layers - k1) * slope(key) for key in a.keys() & b.keys()
-            if key != "optimal_seconds" or min(a[key], b[key]) > 0}
+                       rollout=program.rollout)

@@ -118,19 +118,3 @@ def model_maker(run: Any, role: str, stage: str) -> Callable[[], Any]:
         return model if lora is None else add_lora(model, lora, key=jax.random.key(1))
 
     return make
-
-
-class CutRun:
-    """`run` with each role's model cut to `layers[role]` decoder layers and everything else as the
-    preset has it: the programs a plan lowers from it are the full run's at another depth (`--cost
-    extrapolated` reads their unrolled twins at two depths and extends them to the model's own)."""
-
-    def __init__(self, run: Any, layers: dict[str, int]):
-        self._run, self.layers = run, layers
-
-    def model_config(self, role: str) -> Any:
-        return dataclasses.replace(self._run.model_config(role), n_layers=self.layers[role])
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._run, name)
-

@@ -2,16 +2,14 @@
 devices and compiled for TPU from this host, which need not have one (libtpu's compiler only).
 
     python -m bd_train.plan flows/configs/sdar_8b.toml --topology v5p:2x2x2 [--stage all] [--num-slices 1]
-        [--mesh data=1,fsdp=8,model=1] [--cost all|extrapolated|"train step"|none] [--largest-batch [N]]
-        [--json plan.json]
+        [--mesh data=1,fsdp=8,model=1] [--cost all|"train step"|none] [--largest-batch [N]] [--json plan.json]
 
 Per stage (SFT of each role, OPD, GRPO) it compiles the train step (and, with `microbatches` > 1,
 the streamed step's two programs), the sampler's programs (rollouts, held-out decoding), the
 teacher's forward for OPD and the reference scoring for GRPO (`beta` > 0). Per chip it prints
 parameter and optimizer-state bytes (logical), argument, output, temporary and generated-code
 bytes (XLA's buffer assignment) against the HBM libtpu lets a program use; for the programs whose
-unrolled twin `--cost` compiles (or, with `--cost extrapolated`, extended from the twins of the model
-cut to 2 and 4 layers, marked ~), the compiler's FLOPs and estimated seconds (its cost model, not a
+unrolled twin `--cost` compiles, the compiler's FLOPs and estimated seconds (its cost model, not a
 timing) and from them the estimated MFU (model matmul FLOPs over the chip's bf16 peak); a legend
 under the table says what each column is. OPD's and GRPO's rollouts are costed from one step of
 the sampler's denoising loop, compiled alone: its time, its bandwidth and compute bounds, tokens
@@ -272,10 +270,8 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
          cost: str = "all") -> Plan:
     """Compile every program of the preset `data` (its TOML as a dict) for `topology_name`;
     `attention` replaces both models' `[teacher]`/`[student] attention`; `cost` says which programs
-    are costed and how (`COSTS`: "all" compiles every program's twin with every layer unrolled, the
-    slow part of a plan; "extrapolated" the twins of the models cut to 2 and 4 layers, extended
-    linearly to their depth, an approximation, marked `~`; "train step" the train step's twin
-    alone; "none" no twin). `memo`, kept across
+    are costed (`COSTS`: "train step" skips the unrolled twins of every other program, the slow
+    part of a plan). `memo`, kept across
     calls, lets plans of several presets share what they compiled for the same slice (the same
     teacher, say).
 
@@ -410,9 +406,8 @@ Columns (per chip; GiB = 2^30 bytes; nothing here ran on a TPU):
   % of usable HBM: of the HBM libtpu lets one program use, which the verdicts compare against.
 - TFLOP/chip, est. s: XLA's FLOPs and its cost model's time (estimates, not timings) for a twin of the
   program with its layer loop unrolled; marked >=, the roofline bound max(FLOPs / peak, bytes accessed /
-  HBM bandwidth) where the cost model gives no time; marked ~, extrapolated from twins of the model cut
-  to 2 and 4 layers (`--cost extrapolated`: an approximation). Empty where no twin was compiled
-  (`--cost`; the samplers): the program's own count holds one pass of each loop, not its work.
+  HBM bandwidth) where the cost model gives no time. Empty where no twin was compiled (`--cost`; the
+  samplers): the program's own count holds one pass of each loop, not its work.
 - est. MFU: the model's matmul FLOPs per chip (3x forward; 2x with LoRA, whose frozen weights get no
   gradient) / (est. s x bf16 peak); marked <=, an upper bound from a roofline time; empty without a time.
 - rollouts: one denoising step: the sampler's loop body alone (the block's noisy view of every row
@@ -438,12 +433,12 @@ def format_plan(result: Plan) -> str:
     for stage in result.stages:
         for p in stage.programs:
             # From the roofline's lower bound on time, the MFU is an upper bound.
-            mfu, about = "", "~" if p.cost_from == "extrapolated" else ""
+            mfu = ""
             if p.model_flops and p.seconds:
                 bound = "<= " if p.seconds_from == "roofline" else ""
-                mfu = f"{bound}{about}{100 * p.model_flops / (p.seconds * result.peak_flops):.0f}%"
+                mfu = f"{bound}{100 * p.model_flops / (p.seconds * result.peak_flops):.0f}%"
             logical, rest = (" (logical)", " (rest)") if p.memory_from == "logical" else ("", "")
-            flops = "" if p.flops is None else f"{about}{p.flops / 1e12:.3g}"
+            flops = "" if p.flops is None else f"{p.flops / 1e12:.3g}"
             lines.append(f"| {p.stage} | {p.program} | {gib(p.params)} | {gib(p.optimizer)} | "
                          f"{gib(p.argument)}{logical} | {gib(p.output - p.alias)}{logical} | {gib(p.temp)}{rest} | "
                          f"{p.code / 2**20:.1f} | "
@@ -480,8 +475,7 @@ def _rollout_line(stage: str, r: dict[str, Any]) -> str:
 def _seconds(p: ProgramPlan) -> str:
     if p.seconds is None:
         return ""
-    about = "~" if p.cost_from == "extrapolated" else ""
-    return (">= " if p.seconds_from == "roofline" else "") + f"{about}{p.seconds:.3g}"
+    return (">= " if p.seconds_from == "roofline" else "") + f"{p.seconds:.3g}"
 
 
 def _mesh_arg(text: str) -> dict[str, int]:
@@ -509,10 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", choices=["dense", "blocked", "shard_map", "splash"], default=None,
                         help="both models' attention (default: the preset's); splash is TPU's kernel")
     parser.add_argument("--cost", choices=COSTS, default="all",
-                        help="which programs get XLA's cost estimate, and how: all (each a compile with every "
-                             "layer unrolled), extrapolated (from twins of the model cut to 2 and 4 layers: "
-                             "minutes instead of tens, an approximation marked ~), the train step alone, or "
-                             "none; the rollouts' denoising step, which has no loop, is costed always")
+                        help="which programs get XLA's cost estimate (each needs a compile with every layer "
+                             "unrolled; the rollouts' denoising step, which has no loop, is costed always)")
     parser.add_argument("--largest-batch", nargs="?", type=int, const=4, default=None, metavar="DOUBLINGS",
                         help="also find each stage's largest batch per step that fits, up to the configured one "
                              "times 2^DOUBLINGS (default 4; every size tried compiles the stage's programs)")
