@@ -98,7 +98,7 @@ class ProgramPlan:
     kernel_flops: float = 0.0  # splash's kernels, which XLA's cost analysis cannot see into (in `flops`)
     memory_from: str = "xla"  # "logical": a refused program's arguments and outputs from their shapes
     required: int | None = None  # a refused program's total, as the compiler's message names it
-    rollout: dict[str, float] | None = None  # one denoising step: rows, tokens_per_step, steps
+    rollout: dict[str, int | float] | None = None  # one denoising step: rows, tokens_per_step, steps
 
     @property
     def peak(self) -> int:
@@ -124,7 +124,7 @@ class _Program:
     model_flops: float | None = None
     cost: tuple[Any, int] | None = None
     kernel_flops: float = 0.0
-    rollout: dict[str, float] | None = None
+    rollout: dict[str, int | float] | None = None
 
 
 def splash_flops(config: ModelConfig, tokens: tuple[int, int], passes: int, chips: int) -> float:
