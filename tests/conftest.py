@@ -21,12 +21,13 @@ class FlowRuns:
         return {"METAFLOW_USER": "tester", "WANDB_MODE": "offline", "BDLM_PROGRESS": "0", "JAX_PLATFORMS": "cpu",
                 "XLA_FLAGS": self.xla_flags, "EQX_ON_ERROR": "nan", **extra}
 
-    def crash_and_resume(self, preset: Path, cwd: Path, *, fault: str = "grpo:2"):
+    def crash_and_resume(self, preset: Path, cwd: Path, *, fault: str = "grpo:2", **extra: str):
         """Run `preset` with the stage failing after the step `fault` names ("<stage>:<step>"),
-        then `resume` it; returns the resumed run and the failed run's id."""
+        then `resume` it (`extra`: more environment); returns the resumed run and the failed
+        run's id."""
         from metaflow import Runner
 
-        env = self.env(BDLM_FAIL_AFTER=fault)  # flows/bd_nodes.py: the stage fails after saving that step
+        env = self.env(BDLM_FAIL_AFTER=fault, **extra)  # flows/bd_nodes.py: the stage fails after saving that step
         with Runner(FLOW, show_output=False, cwd=str(cwd), env=env, config=[("config", str(preset))]).run(
                 max_workers=2) as failed:
             assert failed.status == "failed", failed.stdout[-3000:] + failed.stderr[-3000:]

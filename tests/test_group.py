@@ -317,11 +317,12 @@ def test_the_resumed_group_reports_the_uninterrupted_histories(reference, faulte
 @pytest.fixture(scope="module")
 def flow_run(tmp_path_factory, flow_runs, reference):
     """The flow on the reference's preset, failing after GRPO's update 2 and resumed; after the
-    reference, so that it compiles nothing the reference compiled."""
+    reference, so that it compiles nothing the reference compiled. W&B is off, as in the reference
+    (tests/test_pipeline.py reads the flow's W&B logs)."""
     cwd = tmp_path_factory.mktemp("parallel")
     preset = cwd / "preset.toml"
     preset.write_text(worker.toml(worker.preset(PROCESSES)))
-    run, _ = flow_runs.crash_and_resume(preset, cwd, fault="grpo:2")
+    run, _ = flow_runs.crash_and_resume(preset, cwd, fault="grpo:2", WANDB_MODE="disabled")  # as the reference
     return cwd, run
 
 
