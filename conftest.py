@@ -78,12 +78,12 @@ def _drop_compiled_programs():
 # (`--no-loadscope-reorder`; its default orders by test count, which left single-test chains of
 # minutes for the end, with one worker idle). Longest first keeps both workers busy to the end.
 SLOW_FILES = {
-    "tests/test_group.py": 557, "tests/test_stages_mesh.py": 249, "packages/train/tests/test_plan.py": 233,
-    "tests/test_pipeline.py": 185, "packages/train/tests/test_trainer.py": 145,
-    "packages/train/tests/test_distributed.py": 88, "tests/test_guides.py": 87, "tests/test_sigkill.py": 82,
-    "packages/train/tests/test_learning.py": 66, "packages/train/tests/test_guard.py": 58,
-    "packages/models/tests/test_sampler.py": 57, "packages/train/tests/test_checkpoint.py": 54,
-    "packages/train/tests/test_driver.py": 51, "packages/models/tests/test_sharding.py": 40,
+    "tests/test_group.py": 472, "tests/test_stages_mesh.py": 176, "packages/train/tests/test_plan.py": 170,
+    "tests/test_pipeline.py": 150, "packages/train/tests/test_trainer.py": 108, "tests/test_guides.py": 80,
+    "packages/train/tests/test_distributed.py": 80, "packages/models/tests/test_sampler.py": 60,
+    "packages/train/tests/test_driver.py": 55, "tests/test_sigkill.py": 55, "packages/train/tests/test_guard.py": 52,
+    "packages/train/tests/test_learning.py": 50, "packages/train/tests/test_checkpoint.py": 49,
+    "packages/models/tests/test_sharding.py": 36,
 }
 
 
