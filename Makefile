@@ -16,7 +16,19 @@ export GLIBC_TUNABLES := $(if $(findstring glibc.malloc.hugetlb=,$(GLIBC_TUNABLE
 PKG_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml)
 
 .PHONY: sync test lint run stages bench bench-gpu clean interop plan plan-env docs docs-serve
+# `ACCEL=cuda12`, `cuda13` or `tpu` (on any target that syncs: `make stages PRESET=... ACCEL=cuda12`)
+# adds JAX's CUDA plugin or libtpu at the pinned jax version to .venv after the sync (docs/install.md);
+# a sync without it, after a pyproject change, removes them again.
+ACCEL ?=
+ACCELS := cuda12 cuda13 tpu
+JAX_VERSION := $(shell sed -n 's/.*"jax==\([0-9.]*\)".*/\1/p' packages/core/pyproject.toml)
+ifneq ($(filter-out $(ACCELS),$(ACCEL)),)
+$(error ACCEL=$(ACCEL): expected one of $(ACCELS) (JAX's CUDA 12 or 13 plugin, or libtpu), or nothing for CPU)
+endif
 sync: .venv/.synced
+ifneq ($(ACCEL),)
+	$(UV) pip install --python .venv/bin/python --quiet "jax[$(ACCEL)]==$(JAX_VERSION)"
+endif
 
 $(UV):
 	$(PYTHON) -m venv .tools
@@ -100,12 +112,11 @@ bench: sync plan-env
 	  if [ -f $$f ]; then echo "== $$f"; $(RUN) python $$f || exit 1; fi; done
 	@echo "== bench/plan_presets.py"; .plan/bin/python bench/plan_presets.py
 
-# On a machine with an NVIDIA GPU: JAX's CUDA 12 plugin at the pinned jax version goes into .venv
-# (a later `make sync` after a pyproject change removes it again), then bench/accelerator.py
-# measures the bfloat16 1B-config train step and the Pallas attention kernels against XLA's.
-JAX_VERSION := $(shell sed -n 's/.*"jax==\([0-9.]*\)".*/\1/p' packages/core/pyproject.toml)
-bench-gpu: sync
-	$(UV) pip install --python .venv/bin/python --quiet "jax[cuda12]==$(JAX_VERSION)"
+# On a machine with an NVIDIA GPU: JAX's CUDA plugin at the pinned jax version goes into .venv
+# (`ACCEL=cuda13` for CUDA 13; default cuda12), then bench/accelerator.py measures the bfloat16
+# 1B-config train step and the Pallas attention kernels against XLA's.
+bench-gpu:
+	$(MAKE) sync ACCEL=$(or $(ACCEL),cuda12)
 	$(RUN) python bench/accelerator.py
 
 # The documentation site (mkdocs-material + mkdocstrings, source in docs/, build-time generators in

@@ -11,6 +11,7 @@ same level through `child_xla_flags`.
 
 import atexit
 import gc
+import json
 import os
 import shutil
 import tempfile
@@ -120,19 +121,34 @@ HUB_FIXTURES = os.path.join(os.path.dirname(__file__), "packages", "models", "te
 def hub_cache(tmp_path, monkeypatch):
     """An offline Hugging Face Hub cache in the Hub library's own layout
     (`models--ORG--NAME/snapshots/<commit>/`, `refs/<branch>`), filled from the committed fixture
-    checkpoints: `hub_cache(folder, repo_id, commit, refs=("main",))` adds a snapshot; the
-    environment points `HF_HUB_CACHE` at it with `HF_HUB_OFFLINE=1`."""
+    checkpoints: `hub_cache(folder, repo_id, commit, refs=("main",))` adds a snapshot (with
+    `tokenizer_from`, another fixture's tokenizer files replace the folder's: the ChatML-templated
+    `chatml` one, say); the environment points `HF_HUB_CACHE` at it with `HF_HUB_OFFLINE=1`."""
     import shutil
 
     root = tmp_path / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(root))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
-    def add(folder: str, repo_id: str, commit: str, refs=("main",)):
+    def add(folder: str, repo_id: str, commit: str, refs=("main",), tokenizer_from: str | None = None,
+            weights: bool = True):
         repo = root / f"models--{repo_id.replace('/', '--')}"
         snapshot = repo / "snapshots" / commit
         shutil.copytree(os.path.join(HUB_FIXTURES, folder), snapshot,
                         ignore=shutil.ignore_patterns("reference.npz", "config.v4.json"))
+        if tokenizer_from is not None:
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(os.path.join(HUB_FIXTURES, tokenizer_from, name), snapshot / name)
+        # The repo's file listing, which the Hub library caches beside a download and checks an offline
+        # snapshot against: `weights=False` leaves the weights out of the snapshot, not out of the repo.
+        files = {f.name: {"size": f.stat().st_size, "blob_id": f"{i:040x}"}
+                 for i, f in enumerate(sorted(snapshot.iterdir()))}
+        (repo / "trees").mkdir(parents=True, exist_ok=True)
+        (repo / "trees" / f"{commit}.json").write_text(json.dumps({"format_version": 1, "files": files}))
+        if not weights:
+            for name in files:
+                if "safetensors" in name:
+                    (snapshot / name).unlink()
         (repo / "refs").mkdir(parents=True, exist_ok=True)
         for ref in refs:
             (repo / "refs" / ref).write_text(commit)

@@ -48,13 +48,36 @@ def run_one(preset: str, topology: str, mesh: str, **options) -> dict:
     return {**result.to_json(), "seconds": time.perf_counter() - start}
 
 
-def largest(preset: str, topology: str, stage: str) -> list:
-    """[setting, its largest value that fits] for one stage (`bd_train.plan.largest_batch`)."""
+def largest(preset: str, topology: str, stage: str, doublings: int) -> dict:
+    """One stage's largest batch that fits (`bd_train.plan.largest_batch`), with its train step
+    costed there: the setting, its value, the microbatch count, the stage's peak and the step."""
     from bd_train.plan import _mesh_arg, largest_batch
 
     data = preset_data(preset)
-    return list(largest_batch(data, stage, topology, mesh=_mesh_arg(TOPOLOGIES[topology]), memo=MEMO,
-                              log=lambda line: print(line, file=sys.stderr, flush=True)))
+    return largest_batch(data, stage, topology, mesh=_mesh_arg(TOPOLOGIES[topology]), memo=MEMO,
+                         doublings=doublings, cost="train step",
+                         log=lambda line: print(line, file=sys.stderr, flush=True)).to_json()
+
+
+def step_cell(step: dict | None, peak_flops: float) -> str:
+    """A train step's est. s and est. MFU (≥ / ≤ where the time is the roofline bound)."""
+    if step is None or step["flops"] is None:
+        return "not costed (no unrolled twin compiled)"
+    if not step["seconds"]:
+        return "no estimate: XLA's cost analysis of its unrolled twin is empty"
+    mfu = step["model_flops"] / (step["seconds"] * peak_flops) if step["model_flops"] else 0
+    roofline = step["seconds_from"] == "roofline"  # a lower bound on time: an upper bound on MFU
+    return f"{'≥ ' if roofline else ''}{step['seconds']:.2f} s, {'≤ ' if roofline else ''}{100 * mfu:.0f}%"
+
+
+def largest_cell(found: dict | None, peak_flops: float) -> str:
+    if found is None:
+        return ""
+    if found["batch"] is None:
+        return "none: not even one row per data-parallel chip per microbatch"
+    size = f"{found['setting']} = {found['batch']}{' or more' if found['capped'] else ''}"
+    return (f"{size} ({found['microbatches']} microbatches): peak {found['peak'] / GiB:.1f} GiB, "
+            f"{step_cell(found['train_step'], peak_flops)}")
 
 
 def configured_attention(preset: str) -> str:
@@ -99,28 +122,18 @@ def table(results: dict[str, dict]) -> str:
     """One row per stage of each plan; the largest-batch column only once a plan has it (`--largest-batch`)."""
     with_largest = any("largest_batch" in stage for result in results.values() for stage in result["stages"])
     lines = ["| preset | slice | stage | peak GiB per chip | fits | train step: est. s, est. MFU | "
-             + ("largest batch that fits | " if with_largest else "") + "command |",
+             + ("largest batch that fits: peak, train step est. s, est. MFU | " if with_largest else "") + "command |",
              "|---|---|---|---|---|---|" + ("---|" if with_largest else "") + "---|"]
     for key, result in results.items():
         preset, topology = key.split("@")
         for stage in result["stages"]:
             step = next((p for p in stage["programs"] if p["program"] == "train step"), None)
-            timing = ""
-            if step and step["seconds"]:
-                mfu = step["model_flops"] / (step["seconds"] * result["peak_flops"]) if step["model_flops"] else 0
-                roofline = step["seconds_from"] == "roofline"  # a lower bound on time: an upper bound on MFU
-                timing = (f"{'≥ ' if roofline else ''}{step['seconds']:.2f} s, "
-                          f"{'≤ ' if roofline else ''}{100 * mfu:.0f}%")
-            elif step and step["flops"] is None:
-                timing = "not costed (no unrolled twin compiled)"
-            elif step and not step["flops"]:
-                timing = "no estimate: XLA's cost analysis of its unrolled twin is empty"
+            timing = step_cell(step, result["peak_flops"]) if step else ""
             verdict = "yes" if stage["fits"] else f"no: {stage['remedy']}"
             if stage.get("planned_with"):
                 verdict += f" (with {stage['planned_with'].split(' (as configured')[0]}: the preset's rows per " \
                            "microbatch do not split over this slice's data-parallel chips)"
-            setting, batch = stage.get("largest_batch") or (None, None)
-            largest_fit = "" if setting is None else f"{setting} = {batch}" if batch else "none"
+            largest_fit = largest_cell(stage.get("largest_batch"), result["peak_flops"])
             command = f"`make plan PRESET={preset} TOPOLOGY={topology} PLAN_ARGS=\"--mesh {TOPOLOGIES[topology]}\"`"
             lines.append(f"| {preset} | {topology} ({result['chips']} chips, {result['hosts']} host"
                          f"{'s' if result['hosts'] > 1 else ''}) | {stage['stage']} | {stage['peak'] / GiB:.1f} | "
@@ -147,6 +160,8 @@ def main() -> None:
     parser.add_argument("--largest-batch", nargs="*", default=[], metavar="TOPOLOGY",
                         help="find each stage's largest batch that fits on these slices, for the plans in the "
                              "results file that lack it")
+    parser.add_argument("--doublings", type=int, default=3,
+                        help="the largest-batch search tries up to the configured batch times 2^DOUBLINGS")
     parser.add_argument("--table", action="store_true", help="only write SCALING.md's table from the results file")
     args = parser.parse_args()
     path = results_path("plan_presets")
@@ -183,12 +198,13 @@ def main() -> None:
     for preset in args.only:
         for topology in args.largest_batch:
             key = f"{preset}@{topology}"
-            if key not in results or all("largest_batch" in stage for stage in results[key]["stages"]):
+            if key not in results or all(isinstance(stage.get("largest_batch"), dict)
+                                         for stage in results[key]["stages"]):
                 continue
             print(f"== {preset} on {topology}: largest batches", file=sys.stderr, flush=True)
             plan = results[key]
-            for stage in plan["stages"]:
-                stage["largest_batch"] = largest(preset, topology, stage["stage"])
+            for stage in (s for s in plan["stages"] if not isinstance(s.get("largest_batch"), dict)):
+                stage["largest_batch"] = largest(preset, topology, stage["stage"], args.doublings)
                 keep(key, plan)
     results = saved()
     comparison = attention_table(results)

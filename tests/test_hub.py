@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from bd_core import HubError, is_repo_id, resolve_pretrained
+from bd_core import ConfigError, HubError, is_repo_id, resolve_pretrained
 from bd_data import HFTokenizer
 from bd_models import from_pretrained, read_hf_config, save_pretrained
 
@@ -65,3 +65,29 @@ def test_what_counts_as_a_repo_id(tmp_path):
     assert is_repo_id("JetLM/SDAR-1.7B-Chat") and is_repo_id("Qwen/Qwen3-0.6B")
     assert not is_repo_id(str(tmp_path)) and not is_repo_id("./a/b") and not is_repo_id("a/b/c")
     assert not is_repo_id("data/tokenizer.json") and not is_repo_id("name")
+
+
+def test_a_plan_reads_a_repos_config_and_tokenizer_without_its_weights(hub_cache):
+    """An ahead-of-time plan fetches a repo's config and tokenizer only (`weights=False`, as
+    `bd_train.plan` resolves every `pretrained` it reads); a snapshot without the weights is then
+    enough for it, and for training it is one line naming the repo and the download."""
+    from bd_train.stages import parse_pipeline_config, pipeline_config
+    from bd_train.stages._sections import shapes_only
+
+    repo = "bdlm-test/tiny-sdar"
+    hub_cache("sdar", repo, A, weights=False)
+    source = resolve_pretrained(repo, weights=False)
+    assert source.commit == A and (source.folder / "config.json").is_file()
+    assert not list(source.folder.glob("*.safetensors"))
+    with pytest.raises(HubError) as err:
+        resolve_pretrained(repo)
+    message = str(err.value)
+    assert len(message.splitlines()) == 1 and "model-00001-of-00004.safetensors" in message
+    assert f"hf download {repo}" in message
+
+    preset = {"teacher": {"pretrained": repo}, "student": {"pretrained": repo}}
+    with shapes_only():
+        config = pipeline_config(parse_pipeline_config(preset))
+        assert config.student.source is not None and config.student.source.commit == A
+    with pytest.raises(ConfigError, match=r"(teacher|student)\.pretrained: .*lacks some of the model's files"):
+        parse_pipeline_config(preset)

@@ -252,12 +252,32 @@ def test_largest_batch_doubles_the_configured_batch_while_the_stage_fits(tmp_pat
                        "--no-remedies", "--cost", "none", "--largest-batch", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     configured = Run(parse_pipeline_config(SMOKE.read_text())).config.grpo.prompts_per_step
-    assert plan["stages"][0]["largest_batch"] == ["[grpo] prompts_per_step", 2 * configured]
+    found = plan["stages"][0]["largest_batch"]
+    assert (found["setting"], found["batch"], found["capped"]) == ("[grpo] prompts_per_step", 2 * configured, True)
+    assert found["train_step"]["seconds"] is None  # `--cost none`: memory only
     tried = [int(line.split("prompts_per_step = ")[1].split(":")[0]) for line in done.stderr.splitlines()
              if "grpo with [grpo] prompts_per_step = " in line]
     assert tried == [configured, 2 * configured]
     peaks = [float(line.split("peak ")[1].split(" GiB")[0]) for line in done.stderr.splitlines()
              if "grpo with [grpo] prompts_per_step = " in line]
     assert all(peak > 0 for peak in peaks)
-    assert f"grpo: largest [grpo] prompts_per_step that fits at the configured microbatches: {2 * configured}" \
-        in done.stdout
+    microbatches = Run(parse_pipeline_config(SMOKE.read_text())).config.grpo.microbatches
+    assert (f"grpo: largest [grpo] prompts_per_step that fits at [grpo] microbatches = {microbatches}: "
+            f"{2 * configured} (the largest size tried: more may fit); peak ") in done.stdout
+
+
+def test_a_preset_of_hub_repo_ids_plans_before_the_weights_are_fetched(tmp_path, hub_cache):
+    """`make plan` on a preset whose `pretrained` are Hub repo ids needs their config and tokenizer
+    only: the Hub cache here holds the repo without its weights (offline), and the plan compiles."""
+    repo = "bdlm-test/tiny-sdar"
+    snapshot = hub_cache("sdar", repo, "a" * 40, weights=False)
+    assert not list(snapshot.glob("*.safetensors"))
+    preset = tmp_path / "hub.toml"
+    preset.write_text(f'[task]\nname = "sort"\nparams = {{ length = 4 }}\n[canvas]\nprompt_len = 8\n'
+                      f'max_new_tokens = 8\nblock_size = 4\n[teacher]\npretrained = "{repo}"\n'
+                      f'[student]\npretrained = "{repo}"\n[sft]\nbatch_size = 8\n')
+    done, plan = _plan(tmp_path, preset, "--topology", "v5e:2x2", "--mesh", "fsdp=4", "--stage", "sft",
+                       "--cost", "none", "--no-remedies")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [s["stage"] for s in plan["stages"]] == ["sft-teacher", "sft-student"]
+    assert all(p["params"] > 0 for s in plan["stages"] for p in s["programs"] if p["program"] == "train step")

@@ -35,6 +35,7 @@ from ._host_memory import thp_mode as thp_mode
 from ._host_memory import tunable_takes_effect as tunable_takes_effect
 from ._host_memory import with_huge_page_malloc as with_huge_page_malloc
 from ._hub import HUB_FILES as HUB_FILES
+from ._hub import SHAPE_FILES as SHAPE_FILES
 from ._hub import HubError as HubError
 from ._hub import PretrainedSource as PretrainedSource
 from ._hub import is_repo_id as is_repo_id

@@ -21,6 +21,8 @@ from ._config import ConfigError
 HUB_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
              "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
 """The file patterns `resolve_pretrained` fetches from a Hub repo: config, weights, tokenizer and chat template."""
+SHAPE_FILES = tuple(f for f in HUB_FILES if "safetensors" not in f)
+"""What `resolve_pretrained(..., weights=False)` fetches: what a plan reads (no weights)."""
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
@@ -77,10 +79,13 @@ def _cache_dir() -> str | None:
     return None
 
 
-def resolve_pretrained(ref: str | os.PathLike, revision: str | None = None) -> PretrainedSource:
+def resolve_pretrained(ref: str | os.PathLike, revision: str | None = None, *,
+                       weights: bool = True) -> PretrainedSource:
     """The folder of `ref` (a local checkpoint folder, or a Hub repo id at `revision`: a branch, tag
-    or commit, default `main`), downloading the model's files into the Hub cache unless they are
-    there or `HF_HUB_OFFLINE` is set. Errors name the repo and say how to get it."""
+    or commit, default `main`), downloading the model's files (`HUB_FILES`; without `weights`, the
+    config and tokenizer files only, `SHAPE_FILES`, as an ahead-of-time plan needs) into the Hub
+    cache unless they are there or `HF_HUB_OFFLINE` is set. Errors name the repo and say how to
+    get it."""
     text = os.fspath(ref)
     if not is_repo_id(text):
         if revision is not None:
@@ -96,13 +101,19 @@ def resolve_pretrained(ref: str | os.PathLike, revision: str | None = None) -> P
     offline = _offline()
     try:
         folder = huggingface_hub.snapshot_download(text, revision=revision, cache_dir=_cache_dir(),
-                                                   allow_patterns=list(HUB_FILES), local_files_only=offline)
+                                                   allow_patterns=list(HUB_FILES if weights else SHAPE_FILES),
+                                                   local_files_only=offline)
     except errors.RevisionNotFoundError:
         raise HubError(f"{text}: revision {revision!r} does not exist; give a branch, tag or commit of the "
                        "repo") from None
     except errors.RepositoryNotFoundError:
         raise HubError(f"{text}: no local folder of that name, and no such Hub repo (or it is private and no token "
                        "is set); check the path or the id, or log in with `hf auth login`") from None
+    except getattr(errors, "IncompleteSnapshotError", ()) as err:  # files of the repo missing from its snapshot
+        fetch = f"hf download {text}{'' if revision is None else f' --revision {revision}'}"
+        raise HubError(f"{text}: the Hub cache's snapshot lacks some of the model's files and the Hub cannot be "
+                       f"reached ({str(err).split(': ', 1)[-1].split('. ')[0]}); fetch them with `{fetch}` where "
+                       "the Hub is reachable") from None
     except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled, FileNotFoundError):
         at = "" if revision is None else f" at revision {revision!r}"
         why = "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached"

@@ -17,9 +17,10 @@ per second per chip, and one rollout batch's share of the stage's step. Once the
 one of a stage's programs, the stage's later programs are not compiled (it cannot fit), and it is
 re-planned with single changes — remat `full`, more microbatches, `fsdp` over the data axis,
 LoRA — and the first that fits is named; `--largest-batch [N]` also finds each stage's largest
-batch per step that fits, among the configured one times 2^k, k <= N (default 4). No weights,
-data or tokenizer files are read: model shapes come from the preset (or a pretrained folder's
-config.json), data shapes from the canvas.
+batch per step that fits, among the configured one times 2^k, k <= N (default 4), and costs the
+stage's train step at it (unless `--cost none`). No weights or data are read: model shapes come
+from the preset or a pretrained checkpoint's config.json (a Hub repo id fetches its config and
+tokenizer files only), data shapes from the canvas.
 
 Exit codes: 0 every stage planned fits; 1 a stage does not fit (or the compiler refuses one of its
 programs); 2 an error (an unreadable preset, an invalid config, mesh or topology, libtpu missing).
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -47,8 +49,8 @@ from ._plan_programs import COSTS, ProgramPlan, compile_program, stage_programs
 from ._plan_shapes import shapes_run
 from ._tpu import Chip, GiB, Topology, TopologyError, topology
 
-__all__ = ["Plan", "ProgramPlan", "StagePlan", "compile_program", "format_plan", "largest_batch", "main", "plan",
-           "rollout_cost", "stage_programs"]
+__all__ = ["LargestBatch", "Plan", "ProgramPlan", "StagePlan", "compile_program", "format_largest", "format_plan",
+           "largest_batch", "main", "plan", "rollout_cost", "stage_programs"]
 
 STAGES = ("sft", "opd", "grpo")
 EXIT_CODES = """exit codes:
@@ -140,6 +142,18 @@ def make_plan_mesh(mesh: dict[str, int], topo: Topology) -> jax.sharding.Mesh:
     else:
         devices = mesh_utils.create_device_mesh(shape, devices=list(topo.devices))
     return Mesh(devices, ("data", "fsdp", "model"), axis_types=(AxisType.Auto,) * 3)
+
+
+def _without_weights(fn: Callable) -> Callable:
+    """`fn` with a Hub repo id's config and tokenizer fetched, never its weights: a plan reads shapes."""
+    @functools.wraps(fn)
+    def planned(*args: Any, **kwargs: Any) -> Any:
+        from .stages._sections import shapes_only
+
+        with shapes_only():
+            return fn(*args, **kwargs)
+
+    return planned
 
 
 def _stage_names(config: Any, which: str) -> list[str]:
@@ -264,6 +278,7 @@ def _layout_remedy(config: dict, stage: str, mesh: dict[str, int]) -> tuple[str,
     return f"[{name}] microbatches = {valid[-1]}", changed
 
 
+@_without_weights
 def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "all", num_slices: int = 1,
          mesh: dict[str, int] | None = None, remedies: bool = True, attention: str | None = None,
          log: Callable[[str], None] = lambda _: None, memo: dict[str, dict] | None = None,
@@ -328,6 +343,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
                 topo.chip.usable_hbm)
 
 
+@_without_weights
 def stage_lowered(data: dict, stage: str, mesh: jax.sharding.Mesh, *, cost: str = "none") -> list[Any]:
     """The programs of `stage` ("sft-teacher", "sft-student", "opd" or "grpo") of the preset `data`
     lowered on `mesh` as a plan builds them, for whatever devices the mesh holds (a TPU topology's,
@@ -345,53 +361,89 @@ def _with_attention(data: dict, attention: str | None) -> dict:
     return {**data, **{role: {**data.get(role, {}), "attention": attention} for role in ("teacher", "student")}}
 
 
+@dataclasses.dataclass
+class LargestBatch:
+    """A stage's largest batch per step that fits a slice (`largest_batch`).
+
+    Attributes:
+        setting: the preset key searched, e.g. `[grpo] prompts_per_step`.
+        batch: its largest value found that fits, or None where not even the smallest fits.
+        microbatches: the microbatch count it was planned at: the preset's, or the layout remedy's
+            where the preset's rows per microbatch do not split over the slice's data-parallel chips.
+        capped: True when the largest size tried fit (the search stopped at its last doubling).
+        stage: the stage's plan at that batch (its train step costed when `cost` asks), or None."""
+    setting: str
+    batch: int | None
+    microbatches: int
+    capped: bool
+    stage: StagePlan | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The result as JSON-ready values: the stage's peak and its train step's plan at the batch."""
+        step = next((p for p in self.stage.programs if p.program == "train step"), None) if self.stage else None
+        return {"setting": self.setting, "batch": self.batch, "microbatches": self.microbatches,
+                "capped": self.capped, "peak": self.stage.peak if self.stage else None,
+                "train_step": {**dataclasses.asdict(step), "peak": step.peak} if step else None}
+
+
+@_without_weights
 def largest_batch(data: dict, stage: str, topology_name: str, *, mesh: dict[str, int] | None = None,
                   num_slices: int = 1, memo: dict[str, dict] | None = None, doublings: int = 4,
-                  log: Callable[[str], None] = lambda _: None) -> tuple[str, int | None]:
+                  cost: str = "none", log: Callable[[str], None] = lambda _: None) -> LargestBatch:
     """The largest batch per step of `stage` (`[sft] batch_size`, or `prompts_per_step` for OPD and
-    GRPO) that fits the slice at the preset's microbatch count, among the configured batch times
-    2^k (k up to `doublings`, down to the batch whose microbatches hold one row per data-parallel
-    chip): every program of the stage compiled for memory at each size tried, doubling while it
-    fits, halving while it does not. Returns (the setting, its largest fitting value or None)."""
+    GRPO) that fits the slice at the preset's microbatch count (or, where that count does not split
+    the configured batch over the data-parallel chips, at the count the plan itself takes: the
+    largest below it that does), among the configured batch times 2^k (k up to `doublings`, down to
+    the batch whose microbatches hold one row per data-parallel chip): every program of the stage
+    compiled for memory at each size tried, doubling while it fits, halving while it does not.
+    The stage is then planned once more at that batch with `cost` (`COSTS`): with the memo, only
+    the unrolled twins compile again."""
     from .stages._config import parse_pipeline_config, pipeline_config
 
     topo = topology(topology_name, num_slices=num_slices)
     config = pipeline_config(parse_pipeline_config(data))
     mesh_shape = mesh or {"data": config.mesh.data, "fsdp": config.mesh.fsdp, "model": config.mesh.model}
     memo = ({} if memo is None else memo).setdefault(f"{topology_name} x {num_slices}", {})
-    name, microbatches, _ = _microbatch_counts(data, stage, mesh_shape)
+    name, microbatches, counts = _microbatch_counts(data, stage, mesh_shape)
+    if microbatches not in counts and (layout := _layout_remedy(data, stage, mesh_shape)) is not None:
+        log(f"  {stage}: searched at {layout[0]}, as the plan takes it")
+        data, microbatches = layout[1], layout[1][name]["microbatches"]
     key = "batch_size" if name == "sft" else "prompts_per_step"
     configured = getattr(getattr(config, name), key)
     per_row = microbatches * mesh_shape["data"] * mesh_shape["fsdp"]  # rows of a step per row of a chip
     group = config.grpo.group_size if name == "grpo" else 1
 
-    def fits(batch: int) -> bool:
+    def planned(batch: int, cost: str) -> StagePlan | None:
         if (batch * group) % per_row:
-            return False
+            return None
         changed = json.loads(json.dumps(data))
         changed.setdefault(name, {})[key] = batch
         try:
-            result = plan_stage(pipeline_config(parse_pipeline_config(changed)), stage, mesh_shape, topo, log,
-                                cost="none", memo=memo)
+            return plan_stage(pipeline_config(parse_pipeline_config(changed)), stage, mesh_shape, topo, log,
+                              cost=cost, memo=memo)
         except (ConfigError, MeshError):
-            return False
-        log(f"  {stage} with [{name}] {key} = {batch}: peak {result.peak / GiB:.3f} GiB per chip")
-        return result.fits
+            return None
 
-    sizes = [configured * 2**k for k in range(1, doublings + 1)]
+    def fits(batch: int) -> bool:
+        result = planned(batch, "none")
+        if result is not None:
+            log(f"  {stage} with [{name}] {key} = {batch}: peak {result.peak / GiB:.3f} GiB per chip")
+        return result is not None and result.fits
+
+    best, capped = None, False
     if fits(configured):
         best = configured
-        for batch in sizes:
-            if not fits(batch):
+        for k in range(1, doublings + 1):
+            if not fits(configured * 2**k):
                 break
-            best = batch
-        return f"[{name}] {key}", best
-    batch = configured // 2
-    while batch * group >= per_row:
-        if fits(batch):
-            return f"[{name}] {key}", batch
-        batch //= 2
-    return f"[{name}] {key}", None
+            best, capped = configured * 2**k, k == doublings
+    else:
+        batch = configured // 2
+        while best is None and batch * group >= per_row:
+            best = batch if fits(batch) else None
+            batch //= 2
+    at = planned(best, cost) if best is not None else None
+    return LargestBatch(f"[{name}] {key}", best, microbatches, capped, at)
 
 
 LEGEND = """\
@@ -459,6 +511,24 @@ def format_plan(result: Plan) -> str:
     return "\n".join(lines)
 
 
+def format_largest(stage: str, found: LargestBatch, peak_flops: float) -> str:
+    """One line: the stage's largest batch that fits, at which microbatch count, and its train
+    step's estimated time and MFU there when costed."""
+    where = f"{stage}: largest {found.setting} that fits at [{found.setting[1:].split(']')[0]}] microbatches = " \
+            f"{found.microbatches}: "
+    if found.batch is None:
+        return where + "none (down to one row per data-parallel chip per microbatch)"
+    line = where + f"{found.batch}" + (" (the largest size tried: more may fit)" if found.capped else "")
+    if found.stage is not None:
+        line += f"; peak {found.stage.peak / GiB:.2f} GiB per chip"
+        step = next((p for p in found.stage.programs if p.program == "train step"), None)
+        if step is not None and step.seconds and step.model_flops:
+            bound = ("<= ", ">= ") if step.seconds_from == "roofline" else ("", "")
+            line += (f"; train step est. {bound[1]}{step.seconds:.3g} s, est. MFU "
+                     f"{bound[0]}{100 * step.model_flops / (step.seconds * peak_flops):.0f}%")
+    return line
+
+
 def _rollout_line(stage: str, r: dict[str, Any]) -> str:
     share = "" if r["share_of_step"] is None else (
         f", {100 * r['share_of_step']:.0f}% of the stage's estimated step (rollouts + "
@@ -507,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
                              "unrolled; the rollouts' denoising step, which has no loop, is costed always)")
     parser.add_argument("--largest-batch", nargs="?", type=int, const=4, default=None, metavar="DOUBLINGS",
                         help="also find each stage's largest batch per step that fits, up to the configured one "
-                             "times 2^DOUBLINGS (default 4; every size tried compiles the stage's programs)")
+                             "times 2^DOUBLINGS (default 4; every size tried compiles the stage's programs), "
+                             "and cost its train step there (unless --cost none)")
     parser.add_argument("--json", default=None, help="also write the plan as JSON here")
     args = parser.parse_args(argv)
     path = Path(args.preset)
@@ -528,14 +599,12 @@ def main(argv: list[str] | None = None) -> int:
     out = result.to_json()
     if args.largest_batch is not None:
         for stage in out["stages"]:
-            setting, batch = largest_batch(_with_attention(data, args.attention), stage["stage"], args.topology,
-                                           mesh=args.mesh, num_slices=args.num_slices, memo=memo,
-                                           doublings=args.largest_batch,
-                                           log=lambda line: print(line, file=sys.stderr, flush=True))
-            stage["largest_batch"] = [setting, batch]
-            print(f"{stage['stage']}: largest {setting} that fits at the configured microbatches: "
-                  + (f"{batch} (of the configured value times powers of two)" if batch else
-                     "none (down to one row per data-parallel chip per microbatch)"))
+            found = largest_batch(_with_attention(data, args.attention), stage["stage"], args.topology,
+                                  mesh=args.mesh, num_slices=args.num_slices, memo=memo,
+                                  doublings=args.largest_batch, cost="none" if args.cost == "none" else "train step",
+                                  log=lambda line: print(line, file=sys.stderr, flush=True))
+            stage["largest_batch"] = found.to_json()
+            print(format_largest(stage["stage"], found, result.peak_flops))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0 if all(s.fits for s in result.stages) else 1

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import os
@@ -12,16 +14,29 @@ from typing import Any, Literal
 
 from bd_core import ConfigError, PretrainedSource, config_error, resolve_pretrained
 
+_WEIGHTS = contextvars.ContextVar("weights", default=True)
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Within it, a Hub repo id in `pretrained` fetches its config and tokenizer files only, not its
+    weights: what an ahead-of-time plan reads (`bd_train.plan`)."""
+    token = _WEIGHTS.set(False)
+    try:
+        yield
+    finally:
+        _WEIGHTS.reset(token)
+
 
 def _resolve(ref: str, revision: str | None) -> PretrainedSource:
     """A pretrained checkpoint's files, resolved once per process and Hub cache (a Hub id may
     download; a branch that moves later is not followed within a run)."""
-    return _resolve_in(ref, revision, os.environ.get("HF_HUB_CACHE"), os.environ.get("HF_HOME"))
+    return _resolve_in(ref, revision, _WEIGHTS.get(), os.environ.get("HF_HUB_CACHE"), os.environ.get("HF_HOME"))
 
 
 @functools.cache
-def _resolve_in(ref: str, revision: str | None, *cache: str | None) -> PretrainedSource:
-    return resolve_pretrained(ref, revision)
+def _resolve_in(ref: str, revision: str | None, weights: bool, *cache: str | None) -> PretrainedSource:
+    return resolve_pretrained(ref, revision, weights=weights)
 
 
 @dataclasses.dataclass(frozen=True)
