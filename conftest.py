@@ -84,7 +84,7 @@ SLOW_FILES = {
     "packages/train/tests/test_distributed.py": 80, "packages/models/tests/test_sampler.py": 60,
     "packages/train/tests/test_driver.py": 55, "tests/test_sigkill.py": 55, "packages/train/tests/test_guard.py": 52,
     "packages/train/tests/test_learning.py": 50, "packages/train/tests/test_checkpoint.py": 49,
-    "packages/models/tests/test_sharding.py": 36,
+    "packages/models/tests/test_sharding.py": 36, "tests/test_recipe.py": 55,
 }
 
 
