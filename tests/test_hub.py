@@ -71,8 +71,7 @@ def test_a_plan_reads_a_repos_config_and_tokenizer_without_its_weights(hub_cache
     """An ahead-of-time plan fetches a repo's config and tokenizer only (`weights=False`, as
     `bd_train.plan` resolves every `pretrained` it reads); a snapshot without the weights is then
     enough for it, and for training it is one line naming the repo and the download."""
-    from bd_train.stages import parse_pipeline_config, pipeline_config
-    from bd_train.stages._sections import shapes_only
+    from bd_train.stages import parse_pipeline_config, pipeline_config, shapes_only
 
     repo = "bdlm-test/tiny-sdar"
     hub_cache("sdar", repo, A, weights=False)

@@ -50,6 +50,7 @@ from ._rollout import rollout_batch as rollout_batch
 from ._run import Run as Run
 from ._run import RunDir as RunDir
 from ._run import StageError as StageError
+from ._sections import shapes_only as shapes_only
 from ._summary import curve_rows as curve_rows
 from ._summary import format_summary as format_summary
 from ._summary import gain_keys as gain_keys
