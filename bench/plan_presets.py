@@ -61,13 +61,14 @@ def largest(preset: str, topology: str, stage: str, doublings: int) -> dict:
 
 def step_cell(step: dict | None, peak_flops: float) -> str:
     """A train step's est. s and est. MFU (≥ / ≤ where the time is the roofline bound)."""
+    from bd_train.plan import ProgramPlan
+
     if step is None or step["flops"] is None:
         return "not costed (no unrolled twin compiled)"
     if not step["seconds"]:
         return "no estimate: XLA's cost analysis of its unrolled twin is empty"
-    mfu = step["model_flops"] / (step["seconds"] * peak_flops) if step["model_flops"] else 0
-    roofline = step["seconds_from"] == "roofline"  # a lower bound on time: an upper bound on MFU
-    return f"{'≥ ' if roofline else ''}{step['seconds']:.2f} s, {'≤ ' if roofline else ''}{100 * mfu:.0f}%"
+    seconds, mfu = ProgramPlan.from_json(step).estimates(peak_flops, less="≤ ", more="≥ ")
+    return f"{seconds} s, {mfu}"
 
 
 def largest_cell(found: dict | None, peak_flops: float) -> str:

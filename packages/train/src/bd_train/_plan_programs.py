@@ -5,6 +5,7 @@ mesh (`_plan_shapes`), compiled, and read for memory per chip and XLA's cost.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable
 from typing import Any
@@ -67,8 +68,8 @@ class ProgramPlan:
         code: bytes of generated code.
         params: logical bytes of model weights among the arguments.
         optimizer: logical bytes of optimizer state among the arguments.
-        flops: the compiler's FLOPs per chip from the unrolled twin, or None where none was costed.
-        bytes_accessed: the compiler's bytes accessed per chip from the unrolled twin, or None.
+        flops: the compiler's FLOPs per chip from the unrolled twins, or None where none was costed.
+        bytes_accessed: the compiler's bytes accessed per chip from the unrolled twins, or None.
         seconds: the estimated seconds, or None.
         seconds_from: `xla` (the compiler's estimate) or `roofline` (max of FLOPs / peak, bytes / bandwidth).
         model_flops: the model's matmul FLOPs (train steps), for MFU.
@@ -78,6 +79,9 @@ class ProgramPlan:
             step at least: rows x block / steps cap), "steps" (of one rollout batch at most)}.
         memory_from: `xla` (the compiler's buffer assignment) or `logical` (a refused program: shapes' bytes).
         required: a refused program's total bytes per chip as the compiler named them, else None.
+        extrapolated: True where `flops`, `bytes_accessed` and `seconds` come from twins of 2 and 3
+            layers extrapolated to the model's layers (`approx_cost`), not a twin with every layer
+            unrolled: the FLOPs within 1%, the rest approximations.
     """
 
     stage: str
@@ -99,6 +103,7 @@ class ProgramPlan:
     memory_from: str = "xla"  # "logical": a refused program's arguments and outputs from their shapes
     required: int | None = None  # a refused program's total, as the compiler's message names it
     rollout: dict[str, int | float] | None = None  # one denoising step: rows, tokens_per_step, steps
+    extrapolated: bool = False  # flops, bytes_accessed, seconds from the 2- and 3-layer twins
 
     @property
     def peak(self) -> int:
@@ -108,12 +113,61 @@ class ProgramPlan:
             return self.required
         return self.argument + self.output - self.alias + self.temp + self.code
 
+    def estimates(self, peak_flops: float, *, less: str = "<= ", more: str = ">= ") -> tuple[str, str]:
+        """The estimated seconds and MFU as shown: `more` before a time that is the roofline's lower
+        bound, `less` before the MFU that is then an upper bound, `~` before both where the time is
+        extrapolated (an approximation); "" where there is no time (no twin costed) or, for the MFU,
+        no model FLOPs (not a train step)."""
+        if not self.seconds:
+            return "", ""
+        roofline, approx = self.seconds_from == "roofline", "~" if self.extrapolated else ""
+        seconds = f"{more if roofline else ''}{approx}{self.seconds:.3g}"
+        if not self.model_flops:
+            return seconds, ""
+        mfu = 100 * self.model_flops / (self.seconds * peak_flops)
+        return seconds, f"{less if roofline else ''}{approx}{mfu:.0f}%"
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ProgramPlan:
+        """The plan of a program from its JSON (`dataclasses.asdict`, with or without `peak`)."""
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Twin:
+    """What a program's work is read from, as XLA's cost analysis counts a loop's body once however
+    often it runs: the program with its layers unrolled (`lowered` one program), or, with `layers`
+    the model's own count, two of its twins of 2 and 3 layers, whose difference is one layer's
+    cost: the program's is the 3-layer twin's and `layers - 3` times that difference. (Not 1 and 2:
+    with one layer XLA fuses the layer with the model's ends, and the tiny test models' second layer
+    costs about 6% fewer FLOPs than their third or sixth.) The work is `times` that (a step's
+    microbatches)."""
+
+    lowered: tuple[Any, ...]
+    times: int = 1
+    layers: int | None = None
+
+    @property
+    def extrapolated(self) -> bool:
+        """Whether the cost is extrapolated from the 2- and 3-layer twins."""
+        return len(self.lowered) == 2
+
+
+def _twin(lower_at: Callable[[int | None], Any], layers: int, *, exact: bool, times: int = 1) -> _Twin:
+    """The cost twin of the program `lower_at(n)` lowers with `n` decoder layers (None: the model's
+    own `layers`), unrolled: whole where `exact` (or the model has no more than 3 layers), else at 2
+    and 3 layers. Compiling a twin takes time in proportion to its layers: a minute or more for a
+    released model's, seconds for 2 and 3."""
+    with unroll_layers():
+        if exact or layers <= 3:
+            return _Twin((lower_at(None),), times)
+        return _Twin((lower_at(2), lower_at(3)), times, layers)
+
 
 @dataclasses.dataclass
 class _Program:
-    """A lowered program and `arguments`, the placed shapes it was lowered with; `cost` (with its
-    multiplicity) is the same computation with the layers unrolled, lowered only for XLA's cost
-    analysis, which counts a loop body once."""
+    """A lowered program and `arguments`, the placed shapes it was lowered with; `cost` is its twin
+    with the layers unrolled, lowered only for XLA's cost analysis, which counts a loop body once."""
 
     stage: str
     program: str
@@ -122,7 +176,7 @@ class _Program:
     params: int = 0
     optimizer: int = 0
     model_flops: float | None = None
-    cost: tuple[Any, int] | None = None
+    cost: _Twin | None = None
     kernel_flops: float = 0.0
     rollout: dict[str, int | float] | None = None
 
@@ -137,50 +191,61 @@ def splash_flops(config: ModelConfig, tokens: tuple[int, int], passes: int, chip
     return passes * model_flops(config, tokens)["attention_forward"] / chips
 
 
-def _train_programs(stage: str, trainer: Trainer, make: Callable[[], Any], batch: Any, mesh: jax.sharding.Mesh,
-                    model_config: ModelConfig, tokens: tuple[int, int], microbatches: int = 1,
-                    cost: str = "all") -> list[_Program]:
-    """The scanned train step, and with `microbatches` > 1 the streamed step's two programs;
-    `cost` (`COSTS`) says which of them get the unrolled twins that only serve the cost estimate."""
-    abstract = eqx.filter_eval_shape(lambda: TrainState.init(make(), trainer.optimizer, key=jax.random.key(0)))
-    state = place_state(abstract, abstract.model, mesh)
+def _train_programs(stage: str, trainer: Trainer, maker: Callable[[int | None], Callable[[], Any]], batch: Any,
+                    mesh: jax.sharding.Mesh, model_config: ModelConfig, tokens: tuple[int, int], microbatches: int = 1,
+                    cost: str = "all", approx_cost: bool = False, streamed: bool = False) -> list[_Program]:
+    """The scanned train step, and with `streamed` and `microbatches` > 1 the streamed step's two
+    programs (a loop of one's own with `TrainerConfig(streaming=True)` runs them; no stage does);
+    `cost` (`COSTS`) says which of them get the unrolled twins that only serve the cost estimate;
+    `maker(n)` makes the model with `n` layers (None: its own)."""
+    make = maker(None)
+    streaming = Trainer(trainer.loss_fn, trainer.optimizer, TrainerConfig(streaming=True, donate=True))
+    micro = jax.tree.map(lambda x: sds((x.shape[0] // microbatches, *x.shape[1:]), x.dtype), batch)
+
+    def placed_state(make: Callable[[], Any], streamed: bool = False) -> Any:
+        like = jax.eval_shape(lambda: as_loss_output(streaming.loss_fn(
+            make(), jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), micro), jax.random.key(0)))) \
+            if streamed else None
+        abstract = eqx.filter_eval_shape(lambda: TrainState.init(make(), trainer.optimizer, key=jax.random.key(0),
+                                                                 streaming=streamed, like=like))
+        return place_state(abstract, abstract.model, mesh)
+
+    state = placed_state(make)
     # The model's matmul FLOPs: forward, input gradients and weight gradients; with LoRA the frozen
     # weights get no gradient (the adapters' own FLOPs, under 1%, are not counted).
-    passes = 2 if has_adapters(abstract.model) else 3
+    passes = 2 if has_adapters(state.model) else 3
     flops = passes * model_flops(model_config, tokens)["matmul_forward"] / mesh.size
     params, optimizer = bytes_per_chip(state.model), bytes_per_chip(state.opt_state)
     # For the cost: one microbatch's step with the layers unrolled (the microbatch scan and the
     # layer scan are loops whose bodies XLA's cost analysis counts once), times the microbatches.
-    micro = jax.tree.map(lambda x: sds((x.shape[0] // microbatches, *x.shape[1:]), x.dtype), batch)
     one = Trainer(trainer.loss_fn, trainer.optimizer)
-    with unroll_layers():
-        costed = (one.lower(state, place_batch(micro, mesh)), microbatches) if cost != "none" else None
+    costed = _twin(lambda n: one.lower(placed_state(maker(n)), place_batch(micro, mesh)), model_config.n_layers,
+                   exact=not approx_cost, times=microbatches) if cost != "none" else None
     kernel = splash_flops(model_config, tokens, 3, mesh.size)
     placed = place_batch(batch, mesh)
     out = [_Program(stage, "train step", trainer.lower(state, placed), (state, placed), params, optimizer, flops,
                     costed, kernel)]
-    if microbatches > 1:
-        streaming = Trainer(trainer.loss_fn, trainer.optimizer, TrainerConfig(streaming=True, donate=True))
-        like = jax.eval_shape(lambda: as_loss_output(streaming.loss_fn(
-            make(), jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), micro), jax.random.key(0))))
-        abstract = eqx.filter_eval_shape(lambda: TrainState.init(make(), trainer.optimizer, key=jax.random.key(0),
-                                                                 streaming=True, like=like))
-        state = place_state(abstract, abstract.model, mesh)
+    if streamed and microbatches > 1:
+        state = placed_state(make, streamed=True)
         for update, name in ((False, "streamed step: accumulate"), (True, "streamed step: apply")):
             placed = place_batch(micro, mesh)
             lowered = streaming.lower(state, placed, is_update_step=update)
-            with unroll_layers():
-                costed = ((streaming.lower(state, place_batch(micro, mesh), is_update_step=update), 1)
-                          if cost == "all" else None)
+            costed = _twin(lambda n, update=update: streaming.lower(placed_state(maker(n), streamed=True),
+                                                                    place_batch(micro, mesh), is_update_step=update),
+                           model_config.n_layers, exact=not approx_cost) if cost == "all" else None
             out.append(_Program(stage, name, lowered, (state, placed), params, optimizer, flops / microbatches,
                                 costed, kernel / microbatches))
     return out
 
 
+def _placed_model(make: Callable[[], Any], mesh: jax.sharding.Mesh) -> Any:
+    abstract = eqx.filter_eval_shape(make)
+    return place_state(abstract, abstract, mesh)
+
+
 def _sampler_program(stage: str, name: str, make: Callable[[], Any], sampler: SamplerConfig, rows: int,
                      prompt_len: int, mesh: jax.sharding.Mesh) -> _Program:
-    abstract = eqx.filter_eval_shape(make)
-    model = place_state(abstract, abstract, mesh)
+    model = _placed_model(make, mesh)
     tokens, valid = place_batch((sds((rows, prompt_len), jnp.int32), sds((rows, prompt_len), jnp.bool_)), mesh)
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=NamedSharding(mesh, P()))
     return _Program(stage, name, lower_sample(model, tokens, valid, sampler, key=key), (model, tokens, valid, key),
@@ -194,8 +259,7 @@ def _denoising_step_program(stage: str, make: Callable[[], Any], sampler: Sample
     `model`, an upper bound on its bytes there), sampling and the commit. The layers are a Python
     loop in the cached forward, so XLA's cost analysis of this program is the step's whole work:
     it is its own cost twin."""
-    abstract = eqx.filter_eval_shape(make)
-    model = place_state(abstract, abstract, mesh)
+    model = _placed_model(make, mesh)
     cache = eqx.filter_eval_shape(lambda: make().init_cache(rows, prompt_len + sampler.max_new_tokens))
     rows_over = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding(mesh))  # noqa: E731
     whole = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P()))  # noqa: E731
@@ -208,7 +272,7 @@ def _denoising_step_program(stage: str, make: Callable[[], Any], sampler: Sample
     rollout = {"rows": rows, "tokens_per_step": rows * sampler.block_size / sampler.steps_cap,
                "steps": sampler.num_blocks * sampler.steps_cap}
     return _Program(stage, "rollouts: one denoising step", lowered, (model, cache, key), bytes_per_chip(model),
-                    cost=(lowered, 1), rollout=rollout)
+                    cost=_Twin((lowered,)), rollout=rollout)
 
 
 def _rows(rows: int, mesh: jax.sharding.Mesh) -> int:
@@ -216,11 +280,14 @@ def _rows(rows: int, mesh: jax.sharding.Mesh) -> int:
     return -(-rows // shards) * shards
 
 
-def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str = "all") -> list[_Program]:
+def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str = "all",
+                   approx_cost: bool = False, streamed: bool = False) -> list[_Program]:
     """Every program `stage` ("sft-teacher", "sft-student", "opd" or "grpo") of `run` (a
     `shapes_run`) compiles, and the unrolled twins its cost estimates come from: for every program
     but the samplers' with `cost="all"`, the scanned train step's alone with `"train step"`, none
-    with `"none"`."""
+    with `"none"`; twins of every layer unrolled, or with `approx_cost` of 2 and 3 layers
+    extrapolated (`_Twin`); with `streamed`, also the streamed step's two programs, which no stage
+    runs (a loop of one's own with `TrainerConfig(streaming=True)` does)."""
     if cost not in COSTS:
         raise ValueError(f"cost={cost!r}: one of {', '.join(COSTS)}")
     from .stages._rollout import grpo_config
@@ -236,10 +303,10 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
         length = context + canvas.max_new_tokens * sft.corruption.views
         optimizer = make_optimizer(run.optimizer_config(sft.optim, sft.steps_for(role)))
         trainer = Trainer(sft_objective, optimizer, TrainerConfig(microbatches=sft.microbatches, donate=True))
-        make = model_maker(run, role, "sft")
-        programs = _train_programs(stage, trainer, make, diffusion_batch(sft.batch_size, length), mesh, model_config,
-                                   (sft.batch_size, length), sft.microbatches, cost)
-        return programs + [_sampler_program(stage, "held-out decoding", make, eval_sampler, eval_rows,
+        maker = functools.partial(model_maker, run, role, "sft")
+        programs = _train_programs(stage, trainer, maker, diffusion_batch(sft.batch_size, length), mesh, model_config,
+                                   (sft.batch_size, length), sft.microbatches, cost, approx_cost, streamed)
+        return programs + [_sampler_program(stage, "held-out decoding", maker(None), eval_sampler, eval_rows,
                                             canvas.prompt_len, mesh)]
     student = run.model_config("student")
     section = cfg.opd if stage == "opd" else cfg.grpo
@@ -248,19 +315,20 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
     check_divisibility(student, mesh, rows // section.microbatches)
     length = context + replay_capacity(sampler) * canvas.block_size
     replay = diffusion_batch(rows, length)
-    make = model_maker(run, "student", stage)
+    maker = functools.partial(model_maker, run, "student", stage)
+    make = maker(None)
     optimizer = make_optimizer(run.optimizer_config(section.optim, section.steps))
     programs = [_sampler_program(stage, "rollouts", make, sampler, rows, canvas.prompt_len, mesh),
                 _denoising_step_program(stage, make, sampler, rows, canvas.prompt_len, mesh)]
     if stage == "opd":
-        teacher_make = model_maker(run, "teacher", "opd")
-        teacher = eqx.filter_eval_shape(teacher_make)
-        logits = jax.eval_shape(lambda: teacher_make()(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                                                   replay.layout)))
-        placed, layout = place_state(teacher, teacher, mesh), place_batch(replay.layout, mesh)
+        teacher_maker = functools.partial(model_maker, run, "teacher", "opd")
+        logits = jax.eval_shape(lambda: teacher_maker(None)()(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                                                          replay.layout)))
+        placed, layout = _placed_model(teacher_maker(None), mesh), place_batch(replay.layout, mesh)
         forward = lambda t, layout: t(layout)  # noqa: E731
-        with unroll_layers():
-            costed = (lower(forward, placed, layout), 1) if cost == "all" else None
+        costed = _twin(lambda n: lower(forward, _placed_model(teacher_maker(n), mesh),
+                                       place_batch(replay.layout, mesh)),
+                       run.model_config("teacher").n_layers, exact=not approx_cost) if cost == "all" else None
         programs.append(_Program(stage, "teacher forward", lower(forward, placed, layout), (placed, layout),
                                  bytes_per_chip(placed),
                                  cost=costed,
@@ -272,11 +340,10 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
         distribution = sampler.distribution
         ref = sds((rows, length), jnp.float32) if section.beta > 0 else None
         if ref is not None:
-            reference = eqx.filter_eval_shape(make)
-            placed = place_state(reference, reference, mesh)
+            placed = _placed_model(make, mesh)
             score = lambda m, b: token_logprobs(m, b, distribution)[0]  # noqa: E731
-            with unroll_layers():
-                costed = (lower(score, placed, place_batch(replay, mesh)), 1) if cost == "all" else None
+            costed = _twin(lambda n: lower(score, _placed_model(maker(n), mesh), place_batch(replay, mesh)),
+                           student.n_layers, exact=not approx_cost) if cost == "all" else None
             scored = place_batch(replay, mesh)
             programs.append(_Program(stage, "reference scoring", lower(score, placed, scored), (placed, scored),
                                      bytes_per_chip(placed), cost=costed,
@@ -284,8 +351,8 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
         loss = make_grpo_loss(grpo_config(run), distribution_score(distribution))
         batch = GRPOBatch(replay, sds((rows, length), jnp.float32), sds((rows,), jnp.float32), ref)
     trainer = Trainer(loss, optimizer, TrainerConfig(microbatches=section.microbatches, donate=True))
-    programs += _train_programs(stage, trainer, make, batch, mesh, student, (rows, length), section.microbatches,
-                                cost)
+    programs += _train_programs(stage, trainer, maker, batch, mesh, student, (rows, length), section.microbatches,
+                                cost, approx_cost, streamed)
     programs.append(_sampler_program(stage, "held-out decoding", make, eval_sampler, eval_rows, canvas.prompt_len,
                                      mesh))
     return programs
@@ -373,8 +440,7 @@ def compile_program(program: _Program, chip: Any, memo: dict[str, _Figures] | No
         return _refused(program, figures.refused)
     seconds, source = None, ""
     if program.cost is not None:
-        lowered, times = program.cost
-        cost = _figures(lowered, memo).cost
+        times, cost = program.cost.times, _twin_cost(program.cost, memo)
         flops = times * float(cost.get("flops", 0.0)) + program.kernel_flops
         accessed = times * float(cost.get("bytes accessed", 0.0))
         if not cost:  # XLA's cost analysis returned nothing for this program: no estimate
@@ -387,4 +453,22 @@ def compile_program(program: _Program, chip: Any, memo: dict[str, _Figures] | No
         flops = accessed = None
     return ProgramPlan(program.stage, program.program, *figures.memory, program.params, program.optimizer, flops,
                        accessed, seconds, source, program.model_flops, kernel_flops=program.kernel_flops,
-                       rollout=program.rollout)
+                       rollout=program.rollout, extrapolated=program.cost is not None and program.cost.extrapolated)
+
+
+COSTED = ("flops", "bytes accessed", "optimal_seconds")  # what a plan reads of XLA's cost analysis
+
+
+def _twin_cost(twin: _Twin, memo: dict[str, _Figures] | None) -> dict[str, float]:
+    """XLA's cost of one pass of the program `twin` stands for: its unrolled twin's, or extrapolated
+    from the 2- and 3-layer twins. Empty where the analysis is; `optimal_seconds` -1 where the cost
+    model gives no time for either twin."""
+    costs = [_figures(lowered, memo).cost for lowered in twin.lowered]
+    if len(costs) == 1 or not all(costs):
+        return costs[0] if all(costs) else {}
+    assert twin.layers is not None
+    two, three = costs
+    cost = {k: three[k] + (twin.layers - 3) * (three[k] - two[k]) for k in COSTED if k in two and k in three}
+    if min(two.get("optimal_seconds", -1.0), three.get("optimal_seconds", -1.0)) <= 0:
+        cost["optimal_seconds"] = -1.0
+    return cost

@@ -108,10 +108,13 @@ def shapes_run(config: Any):
     return Run(config, tokenizer=SpecialIds(vocab, mask, int(pad), eos))
 
 
-def model_maker(run: Any, role: str, stage: str) -> Callable[[], Any]:
+def model_maker(run: Any, role: str, stage: str, layers: int | None = None) -> Callable[[], Any]:
     """What `stage` trains or runs for `role`, to build under `eval_shape`: the model, with fresh
-    LoRA adapters where `[role] lora` names the stage."""
+    LoRA adapters where `[role] lora` names the stage; with `layers` decoder layers instead of the
+    model's own (the cost twins that a plan extrapolates from)."""
     config, lora = run.model_config(role), run.lora(role, stage)
+    if layers is not None:
+        config = dataclasses.replace(config, n_layers=layers)
 
     def make():
         model = BlockDiffusionLM(config, key=jax.random.key(0))

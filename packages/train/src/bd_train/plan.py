@@ -2,15 +2,19 @@
 devices and compiled for TPU from this host, which need not have one (libtpu's compiler only).
 
     python -m bd_train.plan flows/configs/sdar_8b.toml --topology v5p:2x2x2 [--stage all] [--num-slices 1]
-        [--mesh data=1,fsdp=8,model=1] [--cost all|"train step"|none] [--largest-batch [N]] [--json plan.json]
+        [--mesh data=1,fsdp=8,model=1] [--cost all|"train step"|none] [--approx-cost] [--streamed]
+        [--largest-batch [N]] [--json plan.json]
 
-Per stage (SFT of each role, OPD, GRPO) it compiles the train step (and, with `microbatches` > 1,
-the streamed step's two programs), the sampler's programs (rollouts, held-out decoding), the
-teacher's forward for OPD and the reference scoring for GRPO (`beta` > 0). Per chip it prints
+Per stage (SFT of each role, OPD, GRPO) it compiles the train step, the sampler's programs
+(rollouts, held-out decoding), the teacher's forward for OPD and the reference scoring for GRPO
+(`beta` > 0); `--streamed` adds the streamed step's two programs (with `microbatches` > 1), which
+no stage runs but a loop of one's own with `TrainerConfig(streaming=True)` does. Per chip it prints
 parameter and optimizer-state bytes (logical), argument, output, temporary and generated-code
 bytes (XLA's buffer assignment) against the HBM libtpu lets a program use; for the programs whose
 unrolled twin `--cost` compiles, the compiler's FLOPs and estimated seconds (its cost model, not a
-timing) and from them the estimated MFU (model matmul FLOPs over the chip's bf16 peak); a legend
+timing) and from them the estimated MFU (model matmul FLOPs over the chip's bf16 peak); with
+`--approx-cost` from twins of 2 and 3 layers extrapolated to the model's (a faster plan: FLOPs
+within 1%, times approximate and marked ~); a legend
 under the table says what each column is. OPD's and GRPO's rollouts are costed from one step of
 the sampler's denoising loop, compiled alone: its time, its bandwidth and compute bounds, tokens
 per second per chip, and one rollout batch's share of the stage's step. Once the compiler refuses
@@ -29,7 +33,6 @@ programs); 2 an error (an unreadable preset, an invalid config, mesh or topology
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import sys
@@ -46,8 +49,16 @@ from bd_core import ConfigError
 from bd_models import MeshError
 
 from ._plan_programs import COSTS, ProgramPlan, compile_program, stage_programs
+from ._plan_report import (
+    LargestBatch,
+    Plan,
+    StagePlan,
+    format_largest,
+    format_plan,
+    rollout_cost,
+)
 from ._plan_shapes import shapes_run
-from ._tpu import Chip, GiB, Topology, TopologyError, topology
+from ._tpu import GiB, Topology, TopologyError, topology
 
 __all__ = ["LargestBatch", "Plan", "ProgramPlan", "StagePlan", "compile_program", "format_largest", "format_plan",
            "largest_batch", "main", "plan", "rollout_cost", "stage_programs"]
@@ -57,67 +68,6 @@ EXIT_CODES = """exit codes:
   0  every stage planned fits the HBM libtpu lets a program use
   1  a stage does not fit, or the TPU compiler refuses one of its programs
   2  an error: an unreadable preset, an invalid config, mesh or topology, libtpu missing"""
-
-
-@dataclasses.dataclass
-class StagePlan:
-    """The plan of one stage: its programs and whether they fit the chip.
-
-    Attributes:
-        stage: the stage's name (`sft-teacher`, `sft-student`, `opd`, `grpo`).
-        programs: one plan per compiled program.
-        usable_hbm: the HBM bytes libtpu lets one program use on a chip (`Chip.usable_hbm`).
-        remedy: for a stage that does not fit, the first single change that fits.
-        planned_with: for a batch the mesh cannot split, the change it was planned with.
-        rollout: OPD's and GRPO's rollouts costed (`rollout_cost`), or None."""
-    stage: str
-    programs: list[ProgramPlan]
-    usable_hbm: int
-    remedy: str | None = None  # for a stage that does not fit: the first single change that fits
-    planned_with: str | None = None  # a stage whose batch the mesh cannot split: the change it was planned with
-    rollout: dict[str, Any] | None = None
-
-    @property
-    def peak(self) -> int:
-        return max(p.peak for p in self.programs)
-
-    @property
-    def fits(self) -> bool:
-        return self.peak <= self.usable_hbm and not any(p.refused for p in self.programs)
-
-
-@dataclasses.dataclass
-class Plan:
-    """A preset's plan on a TPU topology; `format_plan` prints it, `to_json` writes it.
-
-    Attributes:
-        preset: the preset's name.
-        topology: the topology, e.g. `v5e:2x4`.
-        mesh: the mesh's axis sizes.
-        chips: chips in the slice(s).
-        hosts: hosts in the slice(s).
-        hbm: HBM bytes per chip (published).
-        peak_flops: the chip's bfloat16 peak, FLOP/s.
-        stages: one plan per stage.
-        usable_hbm: the HBM bytes libtpu lets one program use on a chip: what the verdicts compare against."""
-    preset: str
-    topology: str
-    mesh: dict[str, int]
-    chips: int
-    hosts: int
-    hbm: int
-    peak_flops: float
-    stages: list[StagePlan]
-    usable_hbm: int
-
-    def to_json(self) -> dict[str, Any]:
-        """The plan as JSON-ready values (`--json` writes them)."""
-        return {"preset": self.preset, "topology": self.topology, "mesh": self.mesh, "chips": self.chips,
-                "hosts": self.hosts, "hbm": self.hbm, "usable_hbm": self.usable_hbm, "peak_flops": self.peak_flops,
-                "stages": [{"stage": s.stage, "fits": s.fits, "peak": s.peak, "remedy": s.remedy,
-                            "planned_with": s.planned_with, "rollout": s.rollout,
-                            "programs": [{**dataclasses.asdict(p), "peak": p.peak} for p in s.programs]}
-                           for s in self.stages]}
 
 
 # -- meshes, remedies and the plan -----------------------------------------------------------------
@@ -165,8 +115,9 @@ def _stage_names(config: Any, which: str) -> list[str]:
 
 def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topology,
                log: Callable[[str], None] = lambda _: None, *, cost: str = "all",
-               memo: dict | None = None) -> StagePlan:
-    """Compile `stage`'s programs for `topo` (and the unrolled cost twins `cost` names); `memo`
+               memo: dict | None = None, approx_cost: bool = False, streamed: bool = False) -> StagePlan:
+    """Compile `stage`'s programs for `topo` (and the unrolled cost twins `cost` names, of every
+    layer or with `approx_cost` of 2 and 3: `stage_programs`); `memo`
     (one per slice) carries programs compiled already, by their StableHLO, from stage to stage and
     remedy to remedy."""
     mesh = make_plan_mesh(mesh_shape, topo)
@@ -174,7 +125,7 @@ def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topolo
     programs = []
     with jax.set_mesh(mesh):  # as the stages run: `shard_map` and `splash` attention read it
         start = time.perf_counter()
-        lowered = stage_programs(run, stage, mesh, cost=cost)
+        lowered = stage_programs(run, stage, mesh, cost=cost, approx_cost=approx_cost, streamed=streamed)
         log(f"  lowered {stage}'s {len(lowered)} programs in {time.perf_counter() - start:.0f} s")
         for index, program in enumerate(lowered):
             start, known = time.perf_counter(), len(memo) if memo is not None else -1
@@ -190,36 +141,6 @@ def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topolo
     result = StagePlan(stage, programs, topo.chip.usable_hbm)
     result.rollout = rollout_cost(result, topo.chip, topo.chips)
     return result
-
-
-STEP_PARTS = ("train step", "reference scoring", "teacher forward")  # a step's programs besides its rollouts
-
-
-def rollout_cost(stage: StagePlan, chip: Chip, chips: int) -> dict[str, Any] | None:
-    """The rollouts of `stage` costed from its compiled denoising step (None for a stage without
-    one): the step's estimated seconds, its bandwidth (bytes accessed / HBM bandwidth) and compute
-    (FLOPs / bf16 peak) bounds and which is larger, tokens per second per chip at the estimate and
-    at the roofline (tokens committed per step at least: rows x block / steps cap, over the
-    slice's chips), one rollout batch's seconds at its most steps (blocks x steps cap; a threshold
-    rule or rows that stop early take fewer: an upper bound), and that batch's share of the
-    stage's step (rollouts + reference scoring or teacher forward + train step), where each of
-    those has an estimate."""
-    step = next((p for p in stage.programs if p.rollout and p.seconds and p.flops is not None), None)
-    if step is None or step.rollout is None or step.seconds is None or step.flops is None:
-        return None
-    bandwidth = (step.bytes_accessed or 0.0) / chip.hbm_bandwidth
-    compute = step.flops / chip.peak_flops
-    tokens = step.rollout["tokens_per_step"]
-    batch = step.seconds * step.rollout["steps"]
-    rest = [p.seconds for p in stage.programs if p.program in STEP_PARTS]
-    known = [t for t in rest if t]
-    share = batch / (batch + sum(known)) if rest and len(known) == len(rest) else None
-    return {"rows": int(step.rollout["rows"]), "tokens_per_step": tokens, "step_seconds": step.seconds,
-            "seconds_from": step.seconds_from, "bandwidth_seconds": bandwidth, "compute_seconds": compute,
-            "bound": "bandwidth" if bandwidth >= compute else "compute",
-            "tokens_per_second_per_chip": tokens / step.seconds / chips,
-            "roofline_tokens_per_second_per_chip": tokens / max(bandwidth, compute) / chips,
-            "steps": int(step.rollout["steps"]), "batch_seconds": batch, "share_of_step": share}
 
 
 def _microbatch_counts(config: dict, stage: str, mesh: dict[str, int]) -> tuple[str, int, list[int]]:
@@ -282,11 +203,14 @@ def _layout_remedy(config: dict, stage: str, mesh: dict[str, int]) -> tuple[str,
 def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "all", num_slices: int = 1,
          mesh: dict[str, int] | None = None, remedies: bool = True, attention: str | None = None,
          log: Callable[[str], None] = lambda _: None, memo: dict[str, dict] | None = None,
-         cost: str = "all") -> Plan:
+         cost: str = "all", approx_cost: bool = False, streamed: bool = False) -> Plan:
     """Compile every program of the preset `data` (its TOML as a dict) for `topology_name`;
     `attention` replaces both models' `[teacher]`/`[student] attention`; `cost` says which programs
-    are costed (`COSTS`: "train step" skips the unrolled twins of every other program, the slow
-    part of a plan). `memo`, kept across
+    are costed (`COSTS`: "train step" skips the unrolled twins of every other program), from
+    twins with every layer unrolled (each compiles for a minute or more), or with `approx_cost`
+    from twins of 2 and 3 layers extrapolated to the model's layers: FLOPs within 1%, bytes accessed
+    and time approximations (`ProgramPlan.extrapolated`). `streamed` adds the streamed step's two
+    programs, which no stage runs, to stages with microbatches. `memo`, kept across
     calls, lets plans of several presets share what they compiled for the same slice (the same
     teacher, say).
 
@@ -312,7 +236,8 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
     for stage_name in _stage_names(config, stage):
         stage_data = data
         try:
-            result = plan_stage(config, stage_name, mesh_shape, topo, log, memo=memo, cost=cost)
+            result = plan_stage(config, stage_name, mesh_shape, topo, log, memo=memo, cost=cost,
+                                approx_cost=approx_cost, streamed=streamed)
         except MeshError as err:  # e.g. a preset's microbatches made for fewer data-parallel chips
             layout = _layout_remedy(data, stage_name, mesh_shape)
             if layout is None:
@@ -320,7 +245,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
             description, stage_data = layout
             log(f"  {stage_name}: {err}; planning it with {description}")
             result = plan_stage(pipeline_config(parse_pipeline_config(stage_data)), stage_name, mesh_shape, topo, log,
-                                memo=memo, cost=cost)
+                                memo=memo, cost=cost, approx_cost=approx_cost, streamed=streamed)
             result.planned_with = f"{description} (as configured: {err})"
         if not result.fits and remedies:
             result.remedy = "no single change tried makes it fit"
@@ -329,7 +254,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
                 log(f"  {stage_name} does not fit ({result.peak / GiB:.1f} GiB): trying {description}")
                 try:
                     retry = plan_stage(pipeline_config(parse_pipeline_config(changed)), stage_name, changed_mesh, topo,
-                                       log, cost="none", memo=memo)  # whether it fits: memory only
+                                       log, cost="none", memo=memo, streamed=streamed)  # memory only
                 except (ConfigError, MeshError) as err:
                     log(f"    not possible: {err}")
                     continue
@@ -344,7 +269,8 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
 
 
 @_without_weights
-def stage_lowered(data: dict, stage: str, mesh: jax.sharding.Mesh, *, cost: str = "none") -> list[Any]:
+def stage_lowered(data: dict, stage: str, mesh: jax.sharding.Mesh, *, cost: str = "none",
+                  approx_cost: bool = False, streamed: bool = False) -> list[Any]:
     """The programs of `stage` ("sft-teacher", "sft-student", "opd" or "grpo") of the preset `data`
     lowered on `mesh` as a plan builds them, for whatever devices the mesh holds (a TPU topology's,
     or this host's own, to run them): each with `.program` (its name), `.lowered` (a
@@ -352,7 +278,8 @@ def stage_lowered(data: dict, stage: str, mesh: jax.sharding.Mesh, *, cost: str 
     from .stages._config import parse_pipeline_config, pipeline_config
 
     with jax.set_mesh(mesh):
-        return stage_programs(shapes_run(pipeline_config(parse_pipeline_config(data))), stage, mesh, cost=cost)
+        return stage_programs(shapes_run(pipeline_config(parse_pipeline_config(data))), stage, mesh, cost=cost,
+                              approx_cost=approx_cost, streamed=streamed)
 
 
 def _with_attention(data: dict, attention: str | None) -> dict:
@@ -361,43 +288,19 @@ def _with_attention(data: dict, attention: str | None) -> dict:
     return {**data, **{role: {**data.get(role, {}), "attention": attention} for role in ("teacher", "student")}}
 
 
-@dataclasses.dataclass
-class LargestBatch:
-    """A stage's largest batch per step that fits a slice (`largest_batch`).
-
-    Attributes:
-        setting: the preset key searched, e.g. `[grpo] prompts_per_step`.
-        batch: its largest value found that fits, or None where not even the smallest fits.
-        microbatches: the microbatch count it was planned at: the preset's, or the layout remedy's
-            where the preset's rows per microbatch do not split over the slice's data-parallel chips.
-        capped: True when the largest size tried fit (the search stopped at its last doubling).
-        stage: the stage's plan at that batch (its train step costed when `cost` asks), or None."""
-    setting: str
-    batch: int | None
-    microbatches: int
-    capped: bool
-    stage: StagePlan | None
-
-    def to_json(self) -> dict[str, Any]:
-        """The result as JSON-ready values: the stage's peak and its train step's plan at the batch."""
-        step = next((p for p in self.stage.programs if p.program == "train step"), None) if self.stage else None
-        return {"setting": self.setting, "batch": self.batch, "microbatches": self.microbatches,
-                "capped": self.capped, "peak": self.stage.peak if self.stage else None,
-                "train_step": {**dataclasses.asdict(step), "peak": step.peak} if step else None}
-
-
 @_without_weights
 def largest_batch(data: dict, stage: str, topology_name: str, *, mesh: dict[str, int] | None = None,
                   num_slices: int = 1, memo: dict[str, dict] | None = None, doublings: int = 4,
-                  cost: str = "none", log: Callable[[str], None] = lambda _: None) -> LargestBatch:
+                  cost: str = "none", approx_cost: bool = False, streamed: bool = False,
+                  log: Callable[[str], None] = lambda _: None) -> LargestBatch:
     """The largest batch per step of `stage` (`[sft] batch_size`, or `prompts_per_step` for OPD and
     GRPO) that fits the slice at the preset's microbatch count (or, where that count does not split
     the configured batch over the data-parallel chips, at the count the plan itself takes: the
     largest below it that does), among the configured batch times 2^k (k up to `doublings`, down to
     the batch whose microbatches hold one row per data-parallel chip): every program of the stage
     compiled for memory at each size tried, doubling while it fits, halving while it does not.
-    The stage is then planned once more at that batch with `cost` (`COSTS`): with the memo, only
-    the unrolled twins compile again."""
+    The stage is then planned once more at that batch with `cost` (`COSTS`, and `approx_cost` as
+    `plan` takes it): with the memo, only the unrolled twins compile again."""
     from .stages._config import parse_pipeline_config, pipeline_config
 
     topo = topology(topology_name, num_slices=num_slices)
@@ -420,7 +323,7 @@ def largest_batch(data: dict, stage: str, topology_name: str, *, mesh: dict[str,
         changed.setdefault(name, {})[key] = batch
         try:
             return plan_stage(pipeline_config(parse_pipeline_config(changed)), stage, mesh_shape, topo, log,
-                              cost=cost, memo=memo)
+                              cost=cost, memo=memo, approx_cost=approx_cost, streamed=streamed)
         except (ConfigError, MeshError):
             return None
 
@@ -443,109 +346,7 @@ def largest_batch(data: dict, stage: str, topology_name: str, *, mesh: dict[str,
             best = batch if fits(batch) else None
             batch //= 2
     at = planned(best, cost) if best is not None else None
-    return LargestBatch(f"[{name}] {key}", best, microbatches, capped, at)
-
-
-LEGEND = """\
-Columns (per chip; GiB = 2^30 bytes; nothing here ran on a TPU):
-- params GiB, optimizer GiB: logical bytes of the model's weights and of the optimizer state among the
-  arguments (each shard's elements times its dtype's size).
-- arguments, outputs, temp GiB, code MiB: XLA's buffer assignment for the compiled TPU program, padded to
-  TPU tiles (so arguments may exceed params + optimizer); outputs count only the buffers that do not reuse
-  a donated argument's. Marked (logical): a program the compiler refuses, whose arguments and outputs are
-  the logical bytes of their shapes; its temp, marked (rest), is the rest of the total the compiler named.
-- peak GiB: arguments + outputs + temp + code, or a refused program's total as the compiler named it;
-  % of usable HBM: of the HBM libtpu lets one program use, which the verdicts compare against.
-- TFLOP/chip, est. s: XLA's FLOPs and its cost model's time (estimates, not timings) for a twin of the
-  program with its layer loop unrolled; marked >=, the roofline bound max(FLOPs / peak, bytes accessed /
-  HBM bandwidth) where the cost model gives no time. Empty where no twin was compiled (`--cost`; the
-  samplers): the program's own count holds one pass of each loop, not its work.
-- est. MFU: the model's matmul FLOPs per chip (3x forward; 2x with LoRA, whose frozen weights get no
-  gradient) / (est. s x bf16 peak); marked <=, an upper bound from a roofline time; empty without a time.
-- rollouts: one denoising step: the sampler's loop body alone (the block's noisy view of every row
-  against the KV cache of the whole canvas, sampling, the commit): no loop, so XLA's count is its work.
-  Under the verdicts: its bandwidth (bytes accessed / HBM bandwidth) and compute (FLOPs / peak) bounds,
-  tokens/s per chip (rows x block / steps cap tokens per step, over the chips), and one rollout batch at
-  its most steps (blocks x steps cap) against the stage's other programs' estimated times.
-Exit code: 0 every stage fits, 1 a stage does not fit, 2 an error."""
-
-
-def format_plan(result: Plan) -> str:
-    """The plan as a markdown table per chip (memory by kind, % of usable HBM, TFLOP, estimated seconds
-    and MFU), each stage's verdict, and a legend naming what each column is."""
-    def gib(n: int | float) -> str:
-        return f"{n / GiB:.2f}"
-
-    lines = [f"{result.preset} on {result.topology}: {result.chips} chips over {result.hosts} host(s), mesh "
-             f"{result.mesh}; per chip: {result.hbm / GiB:.0f} GiB HBM, of which libtpu lets a program use "
-             f"{result.usable_hbm / GiB:.2f} GiB; {result.peak_flops / 1e12:.0f} TFLOP/s bf16",
-             "", "| stage | program | params GiB | optimizer GiB | arguments GiB | outputs GiB | temp GiB | code MiB | "
-             "peak GiB | % of usable HBM | TFLOP/chip | est. s | est. MFU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for stage in result.stages:
-        for p in stage.programs:
-            # From the roofline's lower bound on time, the MFU is an upper bound.
-            mfu = ""
-            if p.model_flops and p.seconds:
-                bound = "<= " if p.seconds_from == "roofline" else ""
-                mfu = f"{bound}{100 * p.model_flops / (p.seconds * result.peak_flops):.0f}%"
-            logical, rest = (" (logical)", " (rest)") if p.memory_from == "logical" else ("", "")
-            flops = "" if p.flops is None else f"{p.flops / 1e12:.3g}"
-            lines.append(f"| {p.stage} | {p.program} | {gib(p.params)} | {gib(p.optimizer)} | "
-                         f"{gib(p.argument)}{logical} | {gib(p.output - p.alias)}{logical} | {gib(p.temp)}{rest} | "
-                         f"{p.code / 2**20:.1f} | "
-                         f"{gib(p.peak)} | {100 * p.peak / result.usable_hbm:.0f}% | {flops} | {_seconds(p)} | {mfu} |")
-    lines.append("")
-    for stage in result.stages:
-        for p in stage.programs:
-            if p.refused:
-                lines.append(f"{stage.stage}: {p.program}: the TPU compiler refuses it: {p.refused}")
-        verdict = "fits" if stage.fits else f"DOES NOT FIT: {stage.remedy or 'no remedies tried (--no-remedies)'}"
-        if stage.planned_with:
-            verdict += f"; planned with {stage.planned_with}"
-        lines.append(f"{stage.stage}: peak {gib(stage.peak)} GiB of {gib(result.usable_hbm)} GiB usable per chip: "
-                     f"{verdict}")
-        if stage.rollout:
-            lines.append(_rollout_line(stage.stage, stage.rollout))
-    lines += ["", LEGEND]
-    return "\n".join(lines)
-
-
-def format_largest(stage: str, found: LargestBatch, peak_flops: float) -> str:
-    """One line: the stage's largest batch that fits, at which microbatch count, and its train
-    step's estimated time and MFU there when costed."""
-    where = f"{stage}: largest {found.setting} that fits at [{found.setting[1:].split(']')[0]}] microbatches = " \
-            f"{found.microbatches}: "
-    if found.batch is None:
-        return where + "none (down to one row per data-parallel chip per microbatch)"
-    line = where + f"{found.batch}" + (" (the largest size tried: more may fit)" if found.capped else "")
-    if found.stage is not None:
-        line += f"; peak {found.stage.peak / GiB:.2f} GiB per chip"
-        step = next((p for p in found.stage.programs if p.program == "train step"), None)
-        if step is not None and step.seconds and step.model_flops:
-            bound = ("<= ", ">= ") if step.seconds_from == "roofline" else ("", "")
-            line += (f"; train step est. {bound[1]}{step.seconds:.3g} s, est. MFU "
-                     f"{bound[0]}{100 * step.model_flops / (step.seconds * peak_flops):.0f}%")
-    return line
-
-
-def _rollout_line(stage: str, r: dict[str, Any]) -> str:
-    share = "" if r["share_of_step"] is None else (
-        f", {100 * r['share_of_step']:.0f}% of the stage's estimated step (rollouts + "
-        f"{'teacher forward' if stage == 'opd' else 'reference scoring'} + train step)")
-    est = (">= " if r["seconds_from"] == "roofline" else "") + f"{r['step_seconds']:.3g} s"
-    return (f"{stage}: rollouts: one denoising step of {r['rows']} rows: est. {est} (bandwidth bound "
-            f"{r['bandwidth_seconds']:.3g} s, compute bound {r['compute_seconds']:.3g} s: {r['bound']}-bound); "
-            f"{r['tokens_per_second_per_chip']:.3g} tokens/s per chip at the estimate, "
-            f"{r['roofline_tokens_per_second_per_chip']:.3g} at the roofline ({r['tokens_per_step']:.3g} tokens "
-            f"committed per step at least); one rollout batch (<= {r['steps']} steps): <= {r['batch_seconds']:.3g} s"
-            f"{share}")
-
-
-def _seconds(p: ProgramPlan) -> str:
-    if p.seconds is None:
-        return ""
-    return (">= " if p.seconds_from == "roofline" else "") + f"{p.seconds:.3g}"
+    return LargestBatch(name, key, best, microbatches, capped, at)
 
 
 def _mesh_arg(text: str) -> dict[str, int]:
@@ -573,8 +374,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", choices=["dense", "blocked", "shard_map", "splash"], default=None,
                         help="both models' attention (default: the preset's); splash is TPU's kernel")
     parser.add_argument("--cost", choices=COSTS, default="all",
-                        help="which programs get XLA's cost estimate (each needs a compile with every layer "
+                        help="which programs get XLA's cost estimate (each needs compiles with the layers "
                              "unrolled; the rollouts' denoising step, which has no loop, is costed always)")
+    parser.add_argument("--approx-cost", action="store_true",
+                        help="cost from twins of 2 and 3 layers extrapolated to the model's layers, not from "
+                             "twins with every layer unrolled: a faster plan; FLOPs within 1%%, bytes accessed "
+                             "and times approximate, marked ~")
+    parser.add_argument("--streamed", action="store_true",
+                        help="also the streamed step's two programs (stages with microbatches > 1), which no "
+                             "stage runs but a loop of your own with TrainerConfig(streaming=True) does")
     parser.add_argument("--largest-batch", nargs="?", type=int, const=4, default=None, metavar="DOUBLINGS",
                         help="also find each stage's largest batch per step that fits, up to the configured one "
                              "times 2^DOUBLINGS (default 4; every size tried compiles the stage's programs), "
@@ -591,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         memo: dict[str, dict] = {}
         result = plan(data, args.topology, name=path.name, stage=args.stage, num_slices=args.num_slices,
                       mesh=args.mesh, remedies=not args.no_remedies, attention=args.attention, cost=args.cost,
-                      log=lambda line: print(line, file=sys.stderr, flush=True), memo=memo)
+                      log=lambda line: print(line, file=sys.stderr, flush=True), memo=memo,
+                      approx_cost=args.approx_cost, streamed=args.streamed)
     except (TopologyError, ConfigError, MeshError) as err:
         print(f"plan: {err}", file=sys.stderr)
         return 2
@@ -602,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             found = largest_batch(_with_attention(data, args.attention), stage["stage"], args.topology,
                                   mesh=args.mesh, num_slices=args.num_slices, memo=memo,
                                   doublings=args.largest_batch, cost="none" if args.cost == "none" else "train step",
+                                  approx_cost=args.approx_cost, streamed=args.streamed,
                                   log=lambda line: print(line, file=sys.stderr, flush=True))
             stage["largest_batch"] = found.to_json()
             print(format_largest(stage["stage"], found, result.peak_flops))
