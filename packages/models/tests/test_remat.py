@@ -18,10 +18,13 @@ def _loss(model, layout):
 @pytest.mark.parametrize("config", [CONFIG, CONFIG.replace(qk_norm=True, qkv_bias=True, activation="gelu_tanh")],
                          ids=["plain", "qk_norm_bias_gelu"])
 def test_gradients_are_the_same_under_every_policy(layouts, config):
-    """The loss is bit-identical. The gradients agree to the last bits of the largest entry: XLA
-    may sum a reduction over tokens (e.g. a norm scale's gradient) in another order in the
-    rematerialized program. Measured on an AMD EPYC host: only `attn_norm` differed, by one ulp
-    of its largest entry; on the hosts of earlier runs every leaf was bit-identical."""
+    """The loss is bit-identical. The gradients agree to the last bits of each leaf's largest entry
+    (16 ulp of it): XLA:CPU may sum a reduction over tokens (a norm scale's gradient, the
+    embedding's) in another order in the rematerialized program, and the order depends on the
+    host's CPU. Measured: on an AMD EPYC host only `attn_norm` differed, by one ulp; on an Intel
+    Xeon host several leaves differ by up to 3.8 ulp in one process and 5.3 ulp (`q_norm`'s, a sum
+    over every token and head) in another; on the hosts of earlier runs every leaf was
+    bit-identical. A wrong gradient differs by orders of magnitude more."""
     layout = layouts(0, batch=2, prompt_blocks=1, completion_blocks=2).layout
     grad = jax.jit(jax.value_and_grad(_loss))
     loss, grads = grad(BlockDiffusionLM(config.replace(remat="none"), key=jax.random.key(0)), layout)
@@ -30,7 +33,7 @@ def test_gradients_are_the_same_under_every_policy(layouts, config):
         assert remat_loss == loss, policy
         for got, want in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(grads)):
             ulp = np.finfo(np.float32).eps * float(jnp.max(jnp.abs(want)))
-            np.testing.assert_allclose(got, want, rtol=0, atol=4 * ulp, err_msg=policy)
+            np.testing.assert_allclose(got, want, rtol=0, atol=16 * ulp, err_msg=policy)
 
 
 def test_remat_saves_less_for_the_backward_pass(layouts):
