@@ -40,7 +40,12 @@ def test_sharded_equals_single_device(layouts, shape, attention):
 def test_partition_specs_follow_the_plan():
     model = BlockDiffusionLM(CONFIG, key=jax.random.key(0))
     specs = param_partition_specs(model)
-    assert specs.embedding == jax.sharding.PartitionSpec(None, "fsdp")
+    assert specs.embedding == jax.sharding.PartitionSpec("fsdp", None)  # the vocabulary, where fsdp divides it
+    assert param_partition_specs(model, make_mesh(1, 2, 4)).embedding == jax.sharding.PartitionSpec("fsdp", None)
+    assert param_partition_specs(model, make_mesh(1, 4, 2)).embedding == jax.sharding.PartitionSpec(None, "fsdp")
+    untied = BlockDiffusionLM(CONFIG.replace(tie_embeddings=False), key=jax.random.key(0))
+    assert param_partition_specs(untied, make_mesh(1, 2, 4)).lm_head == jax.sharding.PartitionSpec(None, "fsdp")
+    assert param_partition_specs(untied, make_mesh(1, 4, 2)).lm_head == jax.sharding.PartitionSpec("fsdp", None)
     assert specs.layers.wq == jax.sharding.PartitionSpec(None, "fsdp", "model")
     assert specs.layers.w_down == jax.sharding.PartitionSpec(None, "model", "fsdp")
     sharded = shard_model(model, make_mesh(1, 2, 4))
@@ -63,21 +68,36 @@ def test_init_sharded_builds_the_model_in_its_shards():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-6)
 
 
-def test_under_fsdp_the_weights_are_gathered_not_the_activations(layouts):
+@pytest.mark.parametrize("vocab", [50, 96])  # 8 does not divide 50 (the vocabulary whole); it divides 96
+def test_under_fsdp_the_weights_are_gathered_not_the_activations(layouts, vocab):
     """With weights split over `fsdp` on their input axis and rows over the same axis, every
     all-gather of the compiled forward and backward is of a weight: no chip gathers the batch's
-    activations (rows x features) or logits, which the backward would then keep whole."""
+    activations (rows x features) or logits, which the backward would then keep whole. Where
+    `fsdp` divides the vocabulary, the head is the exception the other way round: it is never
+    gathered, and the final hidden states (rows x d_model) are, for each chip's slice of it, with
+    the per-position values the loss multiplies the logits by."""
     import re
 
     layout = layouts(0, batch=8, prompt_blocks=1, completion_blocks=2).layout
     b, t = layout.tokens.shape
     mesh = make_mesh(1, 8, 1)
-    model = shard_model(BlockDiffusionLM(CONFIG, key=jax.random.key(0)), mesh)
+    config = CONFIG.replace(vocab_size=vocab)
+    model = shard_model(BlockDiffusionLM(config, key=jax.random.key(0)), mesh)
     with jax.set_mesh(mesh):
         hlo = jax.jit(jax.grad(_loss)).lower(model, shard_batch(layout, mesh)).compile().as_text()
     gathered = [tuple(int(n) for n in dims.split(",") if n) for dtype, dims in
                 re.findall(r"= \(?([a-z0-9]+)\[([0-9,]*)\][^=]*? all-gather(?:-start)?\(", hlo)
                 if dtype.startswith(("f", "bf"))]  # token ids (integers) are not activations
     assert gathered, "expected the weights to be gathered"
+    head = {(vocab, config.d_model), (config.d_model, vocab)}
+    split = vocab % 8 == 0
+    if split:
+        assert (b * t, config.d_model) in gathered, f"expected the final hidden states gathered: {gathered}"
+    else:
+        assert head & set(gathered), f"expected the head gathered: {gathered}"
     for dims in gathered:
+        if split:
+            assert dims not in head, f"the head gathered: {dims}"
+            if dims in ((b * t, config.d_model), (b, t, config.d_model), (b, t)):  # and the loss's mask
+                continue
         assert b * t not in dims and dims[:2] != (b, t), f"activations gathered: {dims}"

@@ -36,7 +36,7 @@ def test_8_accelerator_preset_splits_every_large_parameter(role):
     for shape, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.P))):
         nbytes = np.prod(shape.shape) * shape.dtype.itemsize
         shard = np.prod(jax.NamedSharding(mesh, spec).shard_shape(shape.shape)) * shape.dtype.itemsize
-        if nbytes >= LARGE:  # layer weights 8 ways; the embedding over fsdp only (the vocab stays whole)
+        if nbytes >= LARGE:  # layer weights 8 ways; the embedding over fsdp only
             assert shard * (4 if shape.shape[0] == config.vocab_size else 8) == nbytes, f"{shape.shape} {spec}"
         total, per_device = total + nbytes, per_device + shard
     assert total / 8 <= per_device <= total / 8 * 1.01

@@ -29,19 +29,19 @@ def _model(tie: bool = True) -> BlockDiffusionLM:
     return BlockDiffusionLM(config, key=jax.random.key(0))
 
 
-def _batch(seed: int) -> DiffusionTokenBatch:
+def _batch(seed: int, rows: int = ROWS) -> DiffusionTokenBatch:
     """A clean stream of 2 blocks and 2 noisy views of its blocks, some positions masked."""
     rng = np.random.default_rng(seed)
-    clean = rng.integers(0, MASK, (ROWS, 2 * BLOCK))
-    noisy = np.where(rng.random((ROWS, 2 * BLOCK)) < 0.5, MASK, clean)
+    clean = rng.integers(0, MASK, (rows, 2 * BLOCK))
+    noisy = np.where(rng.random((rows, 2 * BLOCK)) < 0.5, MASK, clean)
     tokens = np.concatenate([clean, noisy], axis=1)
-    positions = np.tile(np.concatenate([np.arange(2 * BLOCK)] * 2), (ROWS, 1))
-    view_ids = np.tile(np.repeat([0, 0, 1, 2], BLOCK), (ROWS, 1))
-    valid = np.ones((ROWS, LENGTH), bool)
+    positions = np.tile(np.concatenate([np.arange(2 * BLOCK)] * 2), (rows, 1))
+    view_ids = np.tile(np.repeat([0, 0, 1, 2], BLOCK), (rows, 1))
+    valid = np.ones((rows, LENGTH), bool)
     valid[0, -1] = False
     layout = ViewLayout.create(tokens, positions, positions // BLOCK, view_ids, valid)
     active = (view_ids > 0) & valid & (tokens == MASK)
-    weights = np.where(active, rng.uniform(0.5, 2.0, (ROWS, LENGTH)), 0.0).astype(np.float32)
+    weights = np.where(active, rng.uniform(0.5, 2.0, (rows, LENGTH)), 0.0).astype(np.float32)
     targets = np.where(active, np.concatenate([clean, clean], axis=1), 0)
     return DiffusionTokenBatch.create(layout, targets, weights, active.astype(np.float32))
 
@@ -130,6 +130,46 @@ def test_replay_logprobs_and_grpo_gradients_equal_the_whole_logits(chunk, name):
     loss = make_grpo_loss(GRPOConfig(beta=0.05), distribution_score(distribution))
     loss_fn = lambda m, b: loss(m, b, None)  # noqa: E731
     _assert_same(_loss_and_grads(loss_fn, model, grpo), _loss_and_grads(loss_fn, chunked, grpo))
+
+
+def test_with_the_vocabulary_split_over_fsdp_losses_and_gradients_equal_one_device():
+    """On a (data 2, fsdp 4) mesh of a 64-token vocabulary the head, the embedding and the logits
+    are split over the vocabulary; SFT's, OPD's and GRPO's chunked losses, metrics and gradients
+    are one device's to float32 tolerance."""
+    import optax
+
+    from bd_models import logits_sharding, make_mesh, shard_batch, shard_model
+    from bd_train import Trainer, TrainerConfig
+
+    vocab, rows, mesh = 64, 16, make_mesh(2, 4, 1)  # 8 rows per microbatch below: over (data, fsdp) evenly
+    config = ModelConfig(vocab_size=vocab, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32,
+                         block_size=BLOCK, attention="dense", logits_chunk=5)
+    model, batch = BlockDiffusionLM(config, key=jax.random.key(0)), _batch(7, rows)
+    teacher = jnp.asarray(np.random.default_rng(8).normal(size=(rows, LENGTH, vocab)) * 3, jnp.float32)
+    old = jnp.asarray(0.05 * np.random.default_rng(9).normal(size=(rows, LENGTH)) - np.log(vocab), jnp.float32)
+    opd = make_opd_loss(OPDConfig(temperature=2.0, hard_ce_weight=0.5))
+    grpo = make_grpo_loss(GRPOConfig(beta=0.05), distribution_score(DISTRIBUTIONS["model"]))
+    cases = [(lambda m, b: sft_objective(m, b), batch),
+             (lambda m, b: opd(m, b, None), DistillationBatch(batch, teacher)),
+             (lambda m, b: grpo(m, b, None), GRPOBatch(batch, old, jnp.linspace(-1.0, 1.0, rows), ref_logp=old - 0.1))]
+    sharded = shard_model(model, mesh)
+    assert sharded.embedding.sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
+    for loss_fn, b in cases:
+        whole = _loss_and_grads(loss_fn, model, b)
+        with jax.set_mesh(mesh):
+            _assert_same(whole, _loss_and_grads(loss_fn, sharded, shard_batch(b, mesh)))
+
+    # OPD's stage: teacher logits where the model computes them (`logits_sharding`), a step of 2
+    # interleaved microbatches: the updated student is one device's.
+    trainer = Trainer(opd, optax.sgd(0.5), TrainerConfig(microbatches=2))
+    want = trainer.step(trainer.init(model, key=jax.random.key(1)), cases[1][1])[0].model
+    placed = jax.device_put(teacher, logits_sharding(mesh, vocab))
+    assert placed.sharding.spec == jax.sharding.PartitionSpec("data", None, "fsdp")
+    with jax.set_mesh(mesh):
+        got = trainer.step(trainer.init(sharded, key=jax.random.key(1)),
+                           DistillationBatch(shard_batch(batch, mesh), placed))[0].model
+    for g, w in zip(jax.tree.leaves(eqx.filter(got, eqx.is_array)), jax.tree.leaves(eqx.filter(want, eqx.is_array))):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-6)
 
 
 def test_logits_chunk_is_validated():

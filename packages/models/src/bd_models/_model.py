@@ -15,7 +15,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from bd_core import CLEAN_VIEW, TokenMeta, ViewLayout
 
-from ._activations import rows
+from ._activations import embed_rows, vocab_logits
 from ._attention import attend, cached_attention
 from ._cache import KVCache
 from ._config import ModelConfig
@@ -112,7 +112,7 @@ class BlockDiffusionLM(eqx.Module):
 
     def embed(self, tokens: Int[ArrayLike, "B T"]) -> Float[Array, "B T D"]:
         """The input embeddings of `tokens`, in the compute dtype."""
-        return rows(jnp.take(self.embedding, tokens, axis=0).astype(self.config.compute_jnp_dtype))
+        return embed_rows(self.embedding, jnp.asarray(tokens), self.config.compute_jnp_dtype)
 
     def __call__(self, layout: ViewLayout) -> Float[Array, "B T V"]:
         return self.embed_forward(self.embed(layout.tokens), layout)
@@ -153,8 +153,8 @@ class BlockDiffusionLM(eqx.Module):
         b, t, d = h_BxTxD.shape
         dtype = self.config.compute_jnp_dtype
         head_DxV = self.embedding.T if self.lm_head is None else self.lm_head
-        logits_BTxV = rows(jnp.dot(h_BxTxD.reshape(b * t, d).astype(dtype), head_DxV.astype(dtype),
-                                   preferred_element_type=jnp.float32))
+        logits_BTxV = vocab_logits(jnp.dot(h_BxTxD.reshape(b * t, d).astype(dtype), head_DxV.astype(dtype),
+                                           preferred_element_type=jnp.float32))
         return logits_BTxV.reshape(b, t, -1)
 
     def init_cache(self, batch_size: int, max_len: int) -> KVCache:

@@ -1,6 +1,7 @@
-"""Meshes and partition specs: FSDP over the embedding dim, tensor parallel over heads and the
-MLP hidden dim, batches over (`data`, `fsdp`); sizes that do not divide their axes fail before
-compiling. With several processes, arrays are assembled from each process's host data.
+"""Meshes and partition specs: FSDP over the embedding dim (the vocabulary's for the embedding and
+the head where `fsdp` divides it: `vocab_split`), tensor parallel over heads and the MLP hidden
+dim, batches over (`data`, `fsdp`); sizes that do not divide their axes fail before compiling.
+With several processes, arrays are assembled from each process's host data.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from jax.sharding import PartitionSpec as P
 
 from bd_core import ConfigError
 
+from ._activations import vocab_split
 from ._attention import BATCH_AXES, MODEL_AXIS
 from ._config import ModelConfig
 
 AXES = ("data", "fsdp", "model")
 
 # Per parameter name (the last path entry): the axes of its dims after the stacked layer axis.
+# The embedding `[V, D]` and the head `[D, V]` split their vocabulary instead where `vocab_split`
+# (`_VOCAB_SPECS`; why: `_activations`).
 _SPECS = {
     "embedding": ("__none__", "fsdp"),
     "lm_head": ("fsdp", "__none__"),
@@ -40,6 +44,8 @@ _SPECS = {
     "bk": (MODEL_AXIS,),
     "bv": (MODEL_AXIS,),
 }
+
+_VOCAB_SPECS = {"embedding": ("fsdp", "__none__"), "lm_head": ("__none__", "fsdp")}
 
 # A LoRA-wrapped projection (`LoRAWeight`): the frozen matrix keeps its rule, `lora_a [in, r]`
 # splits its input axis like the matrix, `lora_b [r, out]` its output axis; r is never split.
@@ -82,20 +88,24 @@ def leaf_name(path) -> str:
 
 def param_partition_specs(model, mesh: Mesh | None = None):
     """A pytree like `model` with a `PartitionSpec` per array. With `mesh`, a dimension that its
-    axis does not divide raises `MeshError` naming the parameter."""
+    axis does not divide raises `MeshError` naming the parameter; the embedding and the head split
+    their vocabulary over `fsdp` where it divides it (`vocab_split`; without `mesh`, always)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    by_vocab = vocab is not None and (mesh is None or vocab_split(vocab, mesh.shape["fsdp"]))
+    specs = {**_SPECS, **_VOCAB_SPECS} if by_vocab else _SPECS
 
     def spec(path, leaf):
         name = leaf_name(path)
         if name in _LORA_PARTS and len(path) > 1:  # a LoRA-wrapped projection: split like its matrix
             parent = leaf_name(path[:-1])
-            if parent not in _SPECS:
+            if parent not in specs:
                 raise ValueError(f"param_partition_specs: no partition rule for parameter {jax.tree_util.keystr(path)}")
-            rule = _SPECS[parent]
+            rule = specs[parent]
             rule = {"base": rule, "lora_a": (rule[0], "__none__"), "lora_b": ("__none__", rule[1])}[name]
         elif name == "dropout_key":
             rule = ()
-        elif name in _SPECS:
-            rule = _SPECS[name]
+        elif name in specs:
+            rule = specs[name]
         else:
             raise ValueError(f"param_partition_specs: no partition rule for parameter {jax.tree_util.keystr(path)}")
         axes = [None if a == "__none__" else a for a in rule]
@@ -144,6 +154,15 @@ def init_sharded(make: Callable[[], eqx.Module], mesh: Mesh) -> eqx.Module:
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """The sharding of a batch's leading axis over the mesh's data axes (`data`, `fsdp`)."""
     return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def logits_sharding(mesh: Mesh, vocab_size: int) -> NamedSharding:
+    """Where logits `[B, T, V]` live on `mesh`, as the model computes them: rows over `data` and the
+    vocabulary over `fsdp` where `fsdp` divides it (`vocab_split`), else rows over (`data`, `fsdp`)
+    like a batch. A batch's teacher logits placed so reach OPD's loss without being resharded."""
+    if vocab_split(vocab_size, mesh.shape["fsdp"]):
+        return NamedSharding(mesh, P("data", None, "fsdp"))
+    return batch_sharding(mesh)
 
 
 def shard_batch(batch, mesh: Mesh, *, process_local: bool = False):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -24,17 +23,18 @@ from bd_models import (
     batch_sharding,
     check_divisibility,
     has_adapters,
+    logits_sharding,
     lower,
     lower_denoising_step,
     lower_sample,
     model_flops,
     token_logprobs,
-    unroll_layers,
 )
 
 from ._grpo import GRPOBatch, distribution_score, make_grpo_loss
 from ._opd import OPDConfig, make_opd_loss
 from ._optim import make_optimizer
+from ._plan_compile import Figures, Twin, figures, twin, twin_cost
 from ._plan_shapes import bytes_per_chip, diffusion_batch, model_maker, place_batch, place_state, sds
 from ._replay import replay_capacity
 from ._sft import sft_objective
@@ -133,37 +133,6 @@ class ProgramPlan:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
 
-@dataclasses.dataclass(frozen=True)
-class _Twin:
-    """What a program's work is read from, as XLA's cost analysis counts a loop's body once however
-    often it runs: the program with its layers unrolled (`lowered` one program), or, with `layers`
-    the model's own count, two of its twins of 2 and 3 layers, whose difference is one layer's
-    cost: the program's is the 3-layer twin's and `layers - 3` times that difference. (Not 1 and 2:
-    with one layer XLA fuses the layer with the model's ends, and the tiny test models' second layer
-    costs about 6% fewer FLOPs than their third or sixth.) The work is `times` that (a step's
-    microbatches)."""
-
-    lowered: tuple[Any, ...]
-    times: int = 1
-    layers: int | None = None
-
-    @property
-    def extrapolated(self) -> bool:
-        """Whether the cost is extrapolated from the 2- and 3-layer twins."""
-        return len(self.lowered) == 2
-
-
-def _twin(lower_at: Callable[[int | None], Any], layers: int, *, exact: bool, times: int = 1) -> _Twin:
-    """The cost twin of the program `lower_at(n)` lowers with `n` decoder layers (None: the model's
-    own `layers`), unrolled: whole where `exact` (or the model has no more than 3 layers), else at 2
-    and 3 layers. Compiling a twin takes time in proportion to its layers: a minute or more for a
-    released model's, seconds for 2 and 3."""
-    with unroll_layers():
-        if exact or layers <= 3:
-            return _Twin((lower_at(None),), times)
-        return _Twin((lower_at(2), lower_at(3)), times, layers)
-
-
 @dataclasses.dataclass
 class _Program:
     """A lowered program and `arguments`, the placed shapes it was lowered with; `cost` is its twin
@@ -176,7 +145,7 @@ class _Program:
     params: int = 0
     optimizer: int = 0
     model_flops: float | None = None
-    cost: _Twin | None = None
+    cost: Twin | None = None
     kernel_flops: float = 0.0
     rollout: dict[str, int | float] | None = None
 
@@ -200,7 +169,8 @@ def _train_programs(stage: str, trainer: Trainer, maker: Callable[[int | None], 
     `maker(n)` makes the model with `n` layers (None: its own)."""
     make = maker(None)
     streaming = Trainer(trainer.loss_fn, trainer.optimizer, TrainerConfig(streaming=True, donate=True))
-    micro = jax.tree.map(lambda x: sds((x.shape[0] // microbatches, *x.shape[1:]), x.dtype), batch)
+    micro = jax.tree.map(lambda x: sds((x.shape[0] // microbatches, *x.shape[1:]), x.dtype,
+                                       getattr(x, "sharding", None)), batch)
 
     def placed_state(make: Callable[[], Any], streamed: bool = False) -> Any:
         like = jax.eval_shape(lambda: as_loss_output(streaming.loss_fn(
@@ -219,7 +189,7 @@ def _train_programs(stage: str, trainer: Trainer, maker: Callable[[int | None], 
     # For the cost: one microbatch's step with the layers unrolled (the microbatch scan and the
     # layer scan are loops whose bodies XLA's cost analysis counts once), times the microbatches.
     one = Trainer(trainer.loss_fn, trainer.optimizer)
-    costed = _twin(lambda n: one.lower(placed_state(maker(n)), place_batch(micro, mesh)), model_config.n_layers,
+    costed = twin(lambda n: one.lower(placed_state(maker(n)), place_batch(micro, mesh)), model_config.n_layers,
                    exact=not approx_cost, times=microbatches) if cost != "none" else None
     kernel = splash_flops(model_config, tokens, 3, mesh.size)
     placed = place_batch(batch, mesh)
@@ -230,7 +200,7 @@ def _train_programs(stage: str, trainer: Trainer, maker: Callable[[int | None], 
         for update, name in ((False, "streamed step: accumulate"), (True, "streamed step: apply")):
             placed = place_batch(micro, mesh)
             lowered = streaming.lower(state, placed, is_update_step=update)
-            costed = _twin(lambda n, update=update: streaming.lower(placed_state(maker(n), streamed=True),
+            costed = twin(lambda n, update=update: streaming.lower(placed_state(maker(n), streamed=True),
                                                                     place_batch(micro, mesh), is_update_step=update),
                            model_config.n_layers, exact=not approx_cost) if cost == "all" else None
             out.append(_Program(stage, name, lowered, (state, placed), params, optimizer, flops / microbatches,
@@ -272,7 +242,7 @@ def _denoising_step_program(stage: str, make: Callable[[], Any], sampler: Sample
     rollout = {"rows": rows, "tokens_per_step": rows * sampler.block_size / sampler.steps_cap,
                "steps": sampler.num_blocks * sampler.steps_cap}
     return _Program(stage, "rollouts: one denoising step", lowered, (model, cache, key), bytes_per_chip(model),
-                    cost=_Twin((lowered,)), rollout=rollout)
+                    cost=Twin((lowered,)), rollout=rollout)
 
 
 def _rows(rows: int, mesh: jax.sharding.Mesh) -> int:
@@ -286,7 +256,7 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
     `shapes_run`) compiles, and the unrolled twins its cost estimates come from: for every program
     but the samplers' with `cost="all"`, the scanned train step's alone with `"train step"`, none
     with `"none"`; twins of every layer unrolled, or with `approx_cost` of 2 and 3 layers
-    extrapolated (`_Twin`); with `streamed`, also the streamed step's two programs, which no stage
+    extrapolated (`Twin`); with `streamed`, also the streamed step's two programs, which no stage
     runs (a loop of one's own with `TrainerConfig(streaming=True)` does)."""
     if cost not in COSTS:
         raise ValueError(f"cost={cost!r}: one of {', '.join(COSTS)}")
@@ -326,7 +296,7 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
                                                                           replay.layout)))
         placed, layout = _placed_model(teacher_maker(None), mesh), place_batch(replay.layout, mesh)
         forward = lambda t, layout: t(layout)  # noqa: E731
-        costed = _twin(lambda n: lower(forward, _placed_model(teacher_maker(n), mesh),
+        costed = twin(lambda n: lower(forward, _placed_model(teacher_maker(n), mesh),
                                        place_batch(replay.layout, mesh)),
                        run.model_config("teacher").n_layers, exact=not approx_cost) if cost == "all" else None
         programs.append(_Program(stage, "teacher forward", lower(forward, placed, layout), (placed, layout),
@@ -335,14 +305,14 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
                                  kernel_flops=splash_flops(run.model_config("teacher"), (rows, length), 1, mesh.size)))
         loss = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
                                        positions=section.positions, mask_id=run.tokenizer.mask_id))
-        batch = DistillationBatch(replay, sds(logits.shape, logits.dtype))
+        batch = DistillationBatch(replay, sds(logits.shape, logits.dtype, logits_sharding(mesh, logits.shape[-1])))
     else:
         distribution = sampler.distribution
         ref = sds((rows, length), jnp.float32) if section.beta > 0 else None
         if ref is not None:
             placed = _placed_model(make, mesh)
             score = lambda m, b: token_logprobs(m, b, distribution)[0]  # noqa: E731
-            costed = _twin(lambda n: lower(score, _placed_model(maker(n), mesh), place_batch(replay, mesh)),
+            costed = twin(lambda n: lower(score, _placed_model(maker(n), mesh), place_batch(replay, mesh)),
                            student.n_layers, exact=not approx_cost) if cost == "all" else None
             scored = place_batch(replay, mesh)
             programs.append(_Program(stage, "reference scoring", lower(score, placed, scored), (placed, scored),
@@ -356,11 +326,6 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
     programs.append(_sampler_program(stage, "held-out decoding", make, eval_sampler, eval_rows, canvas.prompt_len,
                                      mesh))
     return programs
-
-
-def _cost(compiled: Any) -> dict[str, float]:
-    cost = compiled.cost_analysis()
-    return (cost[0] if cost else {}) if isinstance(cost, list) else (cost or {})
 
 
 def _refused(program: _Program, message: str) -> ProgramPlan:
@@ -395,38 +360,7 @@ def _refused(program: _Program, message: str) -> ProgramPlan:
                        memory_from="logical", required=required)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Figures:
-    """What a plan reads of one compiled program: its memory per chip and XLA's cost, or the TPU
-    compiler's refusal."""
-
-    memory: tuple[int, int, int, int, int]  # argument, output, alias, temp, generated code
-    cost: dict[str, float]
-    refused: str | None = None
-
-
-def _figures(lowered: Any, memo: dict[str, _Figures] | None) -> _Figures:
-    """Compile `lowered` once per plan: the same program (a stage's held-out decoding, a program a
-    remedy leaves unchanged) recurs across stages and retries, and is known by its StableHLO."""
-    key = hashlib.sha256(lowered.as_text().encode()).hexdigest() if memo is not None else ""
-    if memo is not None and key in memo:
-        return memo[key]
-    try:
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        figures = _Figures((0, 0, 0, 0, 0), {}, str(err))
-    else:
-        m = compiled.memory_analysis()
-        figures = _Figures((int(m.argument_size_in_bytes), int(m.output_size_in_bytes), int(m.alias_size_in_bytes),
-                            int(m.temp_size_in_bytes), int(m.generated_code_size_in_bytes)), _cost(compiled))
-    if memo is not None:
-        memo[key] = figures
-    return figures
-
-
-def compile_program(program: _Program, chip: Any, memo: dict[str, _Figures] | None = None) -> ProgramPlan:
+def compile_program(program: _Program, chip: Any, memo: dict[str, Figures] | None = None) -> ProgramPlan:
     """Compile for memory (the program as it runs) and for cost (`program.cost`: XLA counts a
     loop body once, so a program without an unrolled twin, a sampler's included, gets no FLOPs,
     bytes accessed or time: its own count would be one pass of its loops). The
@@ -435,12 +369,12 @@ def compile_program(program: _Program, chip: Any, memo: dict[str, _Figures] | No
     to XLA's cost analysis: their FLOPs (`kernel_flops`, an upper bound) are added to its count and
     their time at the chip's peak to its estimate. `memo` (one per slice) keeps every program's
     figures by its StableHLO, so a program that recurs is compiled once."""
-    figures = _figures(program.lowered, memo)
-    if figures.refused is not None:
-        return _refused(program, figures.refused)
+    read = figures(program.lowered, memo)
+    if read.refused is not None:
+        return _refused(program, read.refused)
     seconds, source = None, ""
     if program.cost is not None:
-        times, cost = program.cost.times, _twin_cost(program.cost, memo)
+        times, cost = program.cost.times, twin_cost(program.cost, memo)
         flops = times * float(cost.get("flops", 0.0)) + program.kernel_flops
         accessed = times * float(cost.get("bytes accessed", 0.0))
         if not cost:  # XLA's cost analysis returned nothing for this program: no estimate
@@ -451,24 +385,6 @@ def compile_program(program: _Program, chip: Any, memo: dict[str, _Figures] | No
             seconds, source = max(flops / chip.peak_flops, accessed / chip.hbm_bandwidth), "roofline"
     else:  # the scanned program's count holds one pass of each loop: not the work, so none
         flops = accessed = None
-    return ProgramPlan(program.stage, program.program, *figures.memory, program.params, program.optimizer, flops,
+    return ProgramPlan(program.stage, program.program, *read.memory, program.params, program.optimizer, flops,
                        accessed, seconds, source, program.model_flops, kernel_flops=program.kernel_flops,
                        rollout=program.rollout, extrapolated=program.cost is not None and program.cost.extrapolated)
-
-
-COSTED = ("flops", "bytes accessed", "optimal_seconds")  # what a plan reads of XLA's cost analysis
-
-
-def _twin_cost(twin: _Twin, memo: dict[str, _Figures] | None) -> dict[str, float]:
-    """XLA's cost of one pass of the program `twin` stands for: its unrolled twin's, or extrapolated
-    from the 2- and 3-layer twins. Empty where the analysis is; `optimal_seconds` -1 where the cost
-    model gives no time for either twin."""
-    costs = [_figures(lowered, memo).cost for lowered in twin.lowered]
-    if len(costs) == 1 or not all(costs):
-        return costs[0] if all(costs) else {}
-    assert twin.layers is not None
-    two, three = costs
-    cost = {k: three[k] + (twin.layers - 3) * (three[k] - two[k]) for k in COSTED if k in two and k in three}
-    if min(two.get("optimal_seconds", -1.0), three.get("optimal_seconds", -1.0)) <= 0:
-        cost["optimal_seconds"] = -1.0
-    return cost

@@ -21,9 +21,9 @@ from bd_core import DiffusionTokenBatch, ViewLayout
 from bd_models import BlockDiffusionLM, add_lora, batch_sharding, param_partition_specs, read_hf_config
 
 
-def sds(shape: tuple[int, ...], dtype: Any) -> Any:
-    """A shape, typed `Any`: it stands where the contracts hold arrays."""
-    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+def sds(shape: tuple[int, ...], dtype: Any, sharding: Any = None) -> Any:
+    """A shape (placed with `sharding`, if given), typed `Any`: it stands where the contracts hold arrays."""
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
 
 
 def _layout(rows: int, length: int) -> ViewLayout:
@@ -38,8 +38,9 @@ def diffusion_batch(rows: int, length: int) -> DiffusionTokenBatch:
 
 
 def place_batch(tree: Any, mesh: jax.sharding.Mesh) -> Any:
-    """Shapes with the data pipelines' placement: leading axis over (`data`, `fsdp`)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+    """Shapes with the data pipelines' placement: leading axis over (`data`, `fsdp`); a shape that
+    has a sharding already (OPD's teacher logits: `logits_sharding`) keeps it."""
+    return jax.tree.map(lambda x: x if getattr(x, "sharding", None) is not None else jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=batch_sharding(mesh) if x.ndim else NamedSharding(mesh, P())), tree)
 
 

@@ -17,7 +17,7 @@ import equinox as eqx
 import jax
 
 from bd_core import DistillationBatch
-from bd_models import ModelConfig
+from bd_models import ModelConfig, logits_sharding
 
 from .._opd import OPDConfig, make_opd_loss
 from .._optim import make_optimizer
@@ -92,7 +92,9 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
                        reward=run.reward, key=jax.random.fold_in(keys["rollout"], step), mesh=mesh)
         replay = build_replay(out.rollout, mask_id=mask_id, num_views=replay_capacity(sampler))
         logits = _teacher_logits(teacher_model, replay.batch.layout)
-        state, metrics = trainer.step(state, on_mesh(DistillationBatch(replay.batch, logits), mesh))
+        if mesh is not None:  # as the loss reads them: split over the vocabulary where the head is
+            logits = jax.device_put(logits, logits_sharding(mesh, logits.shape[-1]))
+        state, metrics = trainer.step(state, DistillationBatch(on_mesh(replay.batch, mesh), logits))
         return state, {**metrics, **out.metrics()}
 
     pinned = {"identity": identity, "teacher": teacher.fingerprint, "training": run.training("opd"), **adapters}
