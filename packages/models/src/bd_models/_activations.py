@@ -29,12 +29,17 @@ from jax.sharding import PartitionSpec as P
 from ._attention import BATCH_AXES, MODEL_AXIS
 
 
+def _mesh() -> jax.sharding.AbstractMesh | None:
+    """The mesh set with `jax.set_mesh`, or None without one (or one without bdlm's axes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or not {*BATCH_AXES, MODEL_AXIS} <= set(mesh.axis_names) else mesh
+
+
 def rows(x: jax.Array, features: str | None = None) -> jax.Array:
     """`x [rows, ..., features]` with its rows over (`data`, `fsdp`) and its last axis over
     `features` (`"model"` for heads and the MLP's hidden units, None for the residual stream and
     the logits); unchanged without a mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not {*BATCH_AXES, MODEL_AXIS} <= set(mesh.axis_names):
+    if _mesh() is None:
         return x
     return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, *[None] * (x.ndim - 2), features))
 
@@ -49,10 +54,8 @@ def vocab_split(vocab_size: int, fsdp: int) -> bool:
 def vocab_logits(x: jax.Array) -> jax.Array:
     """Logits `[rows, ..., V]`: with `vocab_split`, rows over `data` and the vocabulary over
     `fsdp`; otherwise rows over (`data`, `fsdp`) with the vocabulary whole (`rows`)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not {*BATCH_AXES, MODEL_AXIS} <= set(mesh.axis_names):
-        return x
-    if not vocab_split(x.shape[-1], mesh.shape["fsdp"]):
+    mesh = _mesh()
+    if mesh is None or not vocab_split(x.shape[-1], mesh.shape["fsdp"]):
         return rows(x)
     return jax.lax.with_sharding_constraint(x, P("data", *[None] * (x.ndim - 2), "fsdp"))
 
@@ -64,9 +67,8 @@ def embed_rows(table_VxD: jax.Array, tokens_BxT: jax.Array, dtype) -> jax.Array:
     vocabulary (zeros elsewhere), and a reduce-scatter over `fsdp` adds the slices and hands each
     chip its rows back (exactly: every sum is one lookup and zeros). The table and its gradient
     stay split; the collectives move ids and rows x D."""
-    mesh = jax.sharding.get_abstract_mesh()
-    usable = not mesh.empty and {*BATCH_AXES, MODEL_AXIS} <= set(mesh.axis_names)
-    if not usable or not vocab_split(table_VxD.shape[0], mesh.shape["fsdp"]) \
+    mesh = _mesh()
+    if mesh is None or not vocab_split(table_VxD.shape[0], mesh.shape["fsdp"]) \
             or tokens_BxT.shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]):  # rows that do not split evenly
         return rows(jnp.take(table_VxD, tokens_BxT, axis=0).astype(dtype))
 
