@@ -31,7 +31,6 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import equinox as eqx
 import grain
 import jax
 import jax.numpy as jnp
@@ -39,8 +38,20 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from bd_core import Fingerprint, FingerprintMismatch
-from bd_models import trainable, trainable_filter
+from bd_models import trainable
 
+from ._checkpoint_trees import (
+    arrays_of,
+    describe,
+    fill,
+    fill_trained,
+    flat,
+    flat_items,
+    is_key,
+    mesh_of,
+    nested,
+    restore_target,
+)
 from ._fingerprints import as_plain_dict
 from ._shard_digests import (
     HostShards,
@@ -82,100 +93,6 @@ class CheckpointMismatch(CheckpointError):
         )
 
 
-def _key_name(entry: Any) -> str:
-    for attr in ("name", "key", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
-def _is_leaf_array(x: Any) -> bool:
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _nested(tree: Any) -> dict:
-    """Array leaves of any pytree as nested dicts keyed by path names (portable across pytree
-    classes, and the names a mismatch reports)."""
-    out: dict = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(eqx.filter(tree, _is_leaf_array))[0]:
-        node = out
-        names = [_key_name(p) for p in path]
-        for name in names[:-1]:
-            node = node.setdefault(name, {})
-        node[names[-1] if names else "value"] = leaf
-    return out
-
-
-def _flat(nested: Mapping, prefix: str) -> dict[str, Any]:
-    out = {}
-    for key, value in nested.items():
-        path = f"{prefix}/{key}"
-        out.update(_flat(value, path) if isinstance(value, Mapping) else {path: value})
-    return out
-
-
-def _fill(tree: Any, nested: Mapping) -> Any:
-    """Replace the array leaves of `tree` by the same-path entries of `nested`."""
-
-    def pick(path, leaf):
-        if not _is_leaf_array(leaf):
-            return leaf
-        node: Any = nested
-        for name in [_key_name(p) for p in path] or ["value"]:
-            node = node[name]
-        return node
-
-    return jax.tree_util.tree_map_with_path(pick, tree)
-
-
-def _is_key(x: Any) -> bool:
-    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
-
-
-def _fill_trained(model: Any, nested: Mapping) -> Any:
-    """`model` with its trained leaves replaced by the same-path entries of `nested`; a LoRA
-    model's frozen base is kept as it is."""
-    spec = trainable_filter(model)
-    return eqx.combine(_fill(eqx.filter(model, spec), nested), eqx.filter(model, spec, inverse=True))
-
-
-def _arrays_of(state: TrainState) -> dict[str, Any]:
-    key = state.key
-    return {
-        "model": _nested(trainable(state.model)),  # a LoRA model: its adapters only
-        "opt_state": _nested(state.opt_state),
-        "rng": {"key": jax.eval_shape(jax.random.key_data, key)
-                if isinstance(key, jax.ShapeDtypeStruct) and _is_key(key)
-                else jax.random.key_data(key) if _is_key(key) else key},
-        "counters": {"step": state.step, "nonfinite_total": state.nonfinite_total,
-                     "nonfinite_streak": state.nonfinite_streak},
-    }
-
-
-def _abstract(x: Any, mesh: jax.sharding.Mesh | None = None) -> jax.ShapeDtypeStruct:
-    """The restore target of a leaf: its own sharding; with `mesh` (the target's parameters are
-    sharded over it), leaves that sit on one device (step counters, optimizer counts, the key)
-    are restored replicated over the mesh instead, so that jitted steps across processes accept
-    them."""
-    sharding = getattr(x, "sharding", None)
-    if mesh is not None and not isinstance(sharding, jax.sharding.NamedSharding):
-        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
-
-
-def _mesh_of(tree: Any) -> jax.sharding.Mesh | None:
-    for leaf in jax.tree_util.tree_leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(sharding.mesh, jax.sharding.Mesh):
-            return sharding.mesh
-    return None
-
-
-def _flat_items(items: Mapping[str, Any]) -> dict[str, Any]:
-    return {path: leaf for name, tree in items.items() for path, leaf in _flat(tree, name).items()}
-
-
 def _named(shards: Sequence[tuple[str, str]]) -> str:
     """`a/b (shard 0:4,0:8), c (shard 0:2)` for at most 8 shards, then how many more."""
     names = ", ".join(f"{path} (shard {key or '()'})" for path, key in shards[:8])
@@ -192,10 +109,6 @@ def _plain(text: str) -> str:
         return ",".join(f"{'' if a == 'None' else a}:{'' if b == 'None' else b}" for a, b in parts)
 
     return re.sub(r"\((?:slice\([^)]*\),?\s*)+\)", region, text)
-
-
-def _describe(shape: Any, dtype: Any) -> str:
-    return f"{tuple(shape)} {jnp.dtype(dtype).name}"
 
 
 def _versions() -> dict[str, str]:
@@ -340,7 +253,7 @@ class Checkpointer:
             raise CheckpointCorrupted(f"checkpoint {self.directory} step {step} records no content digests (it was "
                                       f"written by an older bdlm), so its content cannot be verified; rerun the "
                                       "stage that wrote it")
-        damaged = damaged_shards(_flat_items(restored), saved)
+        damaged = damaged_shards(flat_items(restored), saved)
         if damaged:
             raise CheckpointCorrupted(f"checkpoint {self.directory} step {step}: the content of {_named(damaged)} "
                                       f"differs from what was saved; the files are corrupted. {self._recovery(step)}")
@@ -364,8 +277,8 @@ class Checkpointer:
                                   "is_update_step=True")
         self.wait()  # the previous save first: its error, if any, is raised here and not lost
         step = int(state.step)
-        arrays = _arrays_of(state)
-        shards = host_shards(_flat_items(arrays))  # host copies of this save's values, before training goes on
+        arrays = arrays_of(state)
+        shards = host_shards(flat_items(arrays))  # host copies of this save's values, before training goes on
         deferred = self._async and jax.process_count() == 1
         meta: dict[str, Any] = {
             "step": step,
@@ -445,7 +358,7 @@ class Checkpointer:
     def check_tree(self, target: TrainState, step: int | None = None) -> None:
         """Raise `CheckpointMismatch` naming every leaf whose shape or dtype differs, or that
         exists on one side only."""
-        self._check_items(_arrays_of(target), self._resolve(step))
+        self._check_items(arrays_of(target), self._resolve(step))
 
     def _check_items(self, items: Mapping[str, Any], step: int) -> None:
         try:
@@ -459,17 +372,17 @@ class Checkpointer:
             if item is None and name in ("rng", "counters"):
                 raise CheckpointError(f"checkpoint {self.directory} step {step} has no {name!r} item; it is "
                                       "incomplete or was not written by bd_train")
-            saved = {} if item is None else _flat(item.tree, name)
-            wanted = _flat(tree, name)
+            saved = {} if item is None else flat(item.tree, name)
+            wanted = flat(tree, name)
             for path in sorted(set(saved) | set(wanted)):
                 if path not in wanted:
-                    differences[path] = (_describe(saved[path].shape, saved[path].dtype), "<absent>")
+                    differences[path] = (describe(saved[path].shape, saved[path].dtype), "<absent>")
                 elif path not in saved:
-                    differences[path] = ("<absent>", _describe(np.shape(wanted[path]), wanted[path].dtype))
+                    differences[path] = ("<absent>", describe(np.shape(wanted[path]), wanted[path].dtype))
                 else:
                     a, b = saved[path], wanted[path]
                     if tuple(a.shape) != tuple(np.shape(b)) or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
-                        differences[path] = (_describe(a.shape, a.dtype), _describe(np.shape(b), b.dtype))
+                        differences[path] = (describe(a.shape, a.dtype), describe(np.shape(b), b.dtype))
         if differences:
             raise CheckpointMismatch(differences, f"checkpoint {self.directory} step {step}")
 
@@ -482,15 +395,15 @@ class Checkpointer:
         base is kept."""
         step = self._resolve(step)
         self.check_fingerprints(fingerprints or {}, step)
-        arrays = _nested(trainable(target))
+        arrays = nested(trainable(target))
         self._check_items({"model": arrays}, step)
-        mesh = _mesh_of(arrays)
-        abstract = jax.tree_util.tree_map(lambda x: _abstract(x, mesh), arrays)
+        mesh = mesh_of(arrays)
+        abstract = jax.tree_util.tree_map(lambda x: restore_target(x, mesh), arrays)
         meta = self.read_meta(step)
         restored = self._read(step, ocp.args.Composite(model=ocp.args.StandardRestore(abstract)), "the model",
-                              list(_flat_items({"model": arrays})), meta.get("digests"))
+                              list(flat_items({"model": arrays})), meta.get("digests"))
         self._verify({"model": restored["model"]}, step, meta)
-        return _fill_trained(target, restored["model"])
+        return fill_trained(target, restored["model"])
 
     def restore(self, target: TrainState, *, step: int | None = None,
                 fingerprints: Mapping[str, Fingerprint] | None = None, data_iterator: Any = None,
@@ -506,26 +419,26 @@ class Checkpointer:
         if data_iterator is not None and not meta.get("has_data_state"):
             raise CheckpointError(f"checkpoint {self.directory} step {step} holds no data-iterator state; restore "
                                   "without data_iterator= and position the data yourself")
-        arrays = _arrays_of(target)
-        mesh = _mesh_of(arrays)
+        arrays = arrays_of(target)
+        mesh = mesh_of(arrays)
         items: dict[str, Any] = {
-            name: ocp.args.StandardRestore(jax.tree_util.tree_map(lambda x: _abstract(x, mesh), tree))
+            name: ocp.args.StandardRestore(jax.tree_util.tree_map(lambda x: restore_target(x, mesh), tree))
             for name, tree in arrays.items() if tree}
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
         restored = self._read(step, ocp.args.Composite(**items), "the saved state",
-                              list(_flat_items({name: tree for name, tree in arrays.items() if tree})),
+                              list(flat_items({name: tree for name, tree in arrays.items() if tree})),
                               meta.get("digests"))
         self._verify({name: restored[name] for name in arrays if arrays[name]}, step, meta)
         key = restored["rng"]["key"]
-        if _is_key(target.key):
+        if is_key(target.key):
             key = jax.random.wrap_key_data(key, impl=jax.random.key_impl(target.key))
         counters = restored["counters"]
         return dataclasses.replace(
             target,
             step=counters["step"],
-            model=_fill_trained(target.model, restored.get("model") or {}),
-            opt_state=_fill(target.opt_state, restored.get("opt_state") or {}),
+            model=fill_trained(target.model, restored.get("model") or {}),
+            opt_state=fill(target.opt_state, restored.get("opt_state") or {}),
             key=key,
             nonfinite_total=counters["nonfinite_total"],
             nonfinite_streak=counters["nonfinite_streak"],
