@@ -326,3 +326,17 @@ def test_approx_cost_extrapolates_twins_of_two_and_three_layers_with_the_flops_w
             assert p == q, key
     row = next(line for line in done.stdout.splitlines() if line.startswith("| grpo | train step |"))
     assert row.endswith("% |") and "~" in row.split("|")[-3] and "~" in row.split("|")[-2], row
+
+
+def test_row_major_teacher_logits_spare_the_train_step_a_copy_of_them():
+    """Where libtpu's default layout puts the rows of a chip's teacher logits in the lanes (a
+    multiple of 128 rows, a vocabulary shard that is not), OPD's train step copies the whole
+    argument back to row-major first; placed by `logits_format` it takes them as they are, and
+    its temporaries are smaller by at least the copy."""
+    done = subprocess.run([_python(), str(Path(__file__).with_name("plan_layout_probe.py"))], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    assert probe["default"]["layout"] != [0, 1, 2]
+    assert probe["row_major"]["layout"] == [0, 1, 2]
+    assert probe["row_major"]["temp"] <= probe["default"]["temp"] - probe["shard_bytes"]

@@ -64,6 +64,7 @@ from ._sharding import MeshError as MeshError
 from ._sharding import batch_sharding as batch_sharding
 from ._sharding import check_divisibility as check_divisibility
 from ._sharding import init_sharded as init_sharded
+from ._sharding import logits_format as logits_format
 from ._sharding import logits_sharding as logits_sharding
 from ._sharding import make_mesh as make_mesh
 from ._sharding import param_partition_specs as param_partition_specs

@@ -22,13 +22,16 @@ def _is_dynamic(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
 
 
-def lower(fn: Callable[..., Any], *args: Any) -> jax.stages.Lowered:
+def lower(fn: Callable[..., Any], *args: Any, out_shardings: Any = None) -> jax.stages.Lowered:
     """The program `fn(*args)` compiles to, lowered and not run: arrays and `ShapeDtypeStruct`s
-    in `args` are its inputs (their shardings kept), everything else is baked in as static.
-    `.compile()` gives `memory_analysis()` and `cost_analysis()` for the devices the shardings
-    name, whether or not this host has them."""
+    in `args` are its inputs (their shardings, and layouts where given, kept), everything else is
+    baked in as static; `out_shardings` places its outputs (shardings or `Format`s, as
+    `jax.jit` takes them; None leaves them to the compiler). `.compile()` gives
+    `memory_analysis()` and `cost_analysis()` for the devices the shardings name, whether or not
+    this host has them."""
     dynamic, static = eqx.partition(args, _is_dynamic)
-    return jax.jit(lambda d: fn(*eqx.combine(d, static))).lower(dynamic)
+    placed = {} if out_shardings is None else {"out_shardings": out_shardings}
+    return jax.jit(lambda d: fn(*eqx.combine(d, static)), **placed).lower(dynamic)
 
 
 def lower_sample(model: Any, prompt_tokens: Any, prompt_valid: Any, config: SamplerConfig, *,

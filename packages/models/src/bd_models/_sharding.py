@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 import equinox as eqx
 import jax
 import numpy as np
+from jax.experimental.layout import Format, Layout
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -163,6 +164,17 @@ def logits_sharding(mesh: Mesh, vocab_size: int) -> NamedSharding:
     if vocab_split(vocab_size, mesh.shape["fsdp"]):
         return NamedSharding(mesh, P("data", None, "fsdp"))
     return batch_sharding(mesh)
+
+
+def logits_format(mesh: Mesh, vocab_size: int) -> Format:
+    """`logits_sharding` with the row-major layout fixed: how OPD's teacher logits are held from the
+    teacher's forward to the train step, which reads them position by position. Left to its
+    default, libtpu lays out a `[rows, T, V/fsdp]` shard whose vocabulary slice is not a multiple
+    of 128 lanes (151,936 over 8 chips: 18,992) with the rows in the lanes once a chip holds a
+    multiple of 128 rows, and the train step then copies the whole argument back to row-major
+    before reading it. Where row-major is the default (CPU, GPU, lane-aligned shards) this is the
+    default layout and changes nothing."""
+    return Format(Layout(major_to_minor=(0, 1, 2)), logits_sharding(mesh, vocab_size))
 
 
 def shard_batch(batch, mesh: Mesh, *, process_local: bool = False):

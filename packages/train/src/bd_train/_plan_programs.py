@@ -23,7 +23,7 @@ from bd_models import (
     batch_sharding,
     check_divisibility,
     has_adapters,
-    logits_sharding,
+    logits_format,
     lower,
     lower_denoising_step,
     lower_sample,
@@ -170,7 +170,7 @@ def _train_programs(stage: str, trainer: Trainer, maker: Callable[[int | None], 
     make = maker(None)
     streaming = Trainer(trainer.loss_fn, trainer.optimizer, TrainerConfig(streaming=True, donate=True))
     micro = jax.tree.map(lambda x: sds((x.shape[0] // microbatches, *x.shape[1:]), x.dtype,
-                                       getattr(x, "sharding", None)), batch)
+                                       x.format if getattr(x, "sharding", None) is not None else None), batch)
 
     def placed_state(make: Callable[[], Any], streamed: bool = False) -> Any:
         like = jax.eval_shape(lambda: as_loss_output(streaming.loss_fn(
@@ -296,16 +296,18 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
                                                                           replay.layout)))
         placed, layout = _placed_model(teacher_maker(None), mesh), place_batch(replay.layout, mesh)
         forward = lambda t, layout: t(layout)  # noqa: E731
+        held = logits_format(mesh, logits.shape[-1])  # as the stage's teacher forward writes them
         costed = twin(lambda n: lower(forward, _placed_model(teacher_maker(n), mesh),
-                                       place_batch(replay.layout, mesh)),
+                                       place_batch(replay.layout, mesh), out_shardings=held),
                        run.model_config("teacher").n_layers, exact=not approx_cost) if cost == "all" else None
-        programs.append(_Program(stage, "teacher forward", lower(forward, placed, layout), (placed, layout),
+        programs.append(_Program(stage, "teacher forward", lower(forward, placed, layout, out_shardings=held),
+                                 (placed, layout),
                                  bytes_per_chip(placed),
                                  cost=costed,
                                  kernel_flops=splash_flops(run.model_config("teacher"), (rows, length), 1, mesh.size)))
         loss = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
                                        positions=section.positions, mask_id=run.tokenizer.mask_id))
-        batch = DistillationBatch(replay, sds(logits.shape, logits.dtype, logits_sharding(mesh, logits.shape[-1])))
+        batch = DistillationBatch(replay, sds(logits.shape, logits.dtype, held))
     else:
         distribution = sampler.distribution
         ref = sds((rows, length), jnp.float32) if section.beta > 0 else None

@@ -39,7 +39,7 @@ def diffusion_batch(rows: int, length: int) -> DiffusionTokenBatch:
 
 def place_batch(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     """Shapes with the data pipelines' placement: leading axis over (`data`, `fsdp`); a shape that
-    has a sharding already (OPD's teacher logits: `logits_sharding`) keeps it."""
+    has a sharding already (OPD's teacher logits: `logits_format`) keeps it, and its layout."""
     return jax.tree.map(lambda x: x if getattr(x, "sharding", None) is not None else jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=batch_sharding(mesh) if x.ndim else NamedSharding(mesh, P())), tree)
 

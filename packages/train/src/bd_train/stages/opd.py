@@ -11,13 +11,15 @@ hands on the start (`StageResult.kept`) when OPD ended worse than it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 
 from bd_core import DistillationBatch
-from bd_models import ModelConfig, logits_sharding
+from bd_models import ModelConfig, logits_format
 
 from .._opd import OPDConfig, make_opd_loss
 from .._optim import make_optimizer
@@ -35,6 +37,18 @@ OPD_CURVES = ("loss", "kl", "teacher_agreement", "nfe_per_token")
 @eqx.filter_jit
 def _teacher_logits(teacher, layout):
     return teacher(layout)
+
+
+def _teacher_forward(teacher: Any, mesh: Any) -> Callable[[Any], Any]:
+    """The frozen teacher's logits of a replay batch's views, one program compiled once; on a mesh
+    they come out as OPD's loss reads them (`logits_format`: split over the vocabulary where the
+    head is, row-major), so the train step takes them without a copy."""
+    if mesh is None:
+        return functools.partial(_teacher_logits, teacher)
+    params, static = eqx.partition(teacher, eqx.is_array)
+    program = jax.jit(lambda p, layout: eqx.combine(p, static)(layout),
+                      out_shardings=logits_format(mesh, teacher.config.vocab_size))
+    return lambda layout: program(params, layout)
 
 
 def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageResult,
@@ -85,15 +99,14 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
                       TrainerConfig(microbatches=section.microbatches, donate=True))
     state = trainer.init(model, key=keys["train"])
     prompts = run.prompts("opd", section.prompts_per_step)
+    teacher_forward = _teacher_forward(teacher_model, mesh)
 
     def step_fn(state, step):
         batch = next(prompts)
         out = roll_out(state.model, (batch.tokens, batch.valid), batch.examples, sampler, tokenizer=run.tokenizer,
                        reward=run.reward, key=jax.random.fold_in(keys["rollout"], step), mesh=mesh)
         replay = build_replay(out.rollout, mask_id=mask_id, num_views=replay_capacity(sampler))
-        logits = _teacher_logits(teacher_model, replay.batch.layout)
-        if mesh is not None:  # as the loss reads them: split over the vocabulary where the head is
-            logits = jax.device_put(logits, logits_sharding(mesh, logits.shape[-1]))
+        logits = teacher_forward(replay.batch.layout)
         state, metrics = trainer.step(state, DistillationBatch(on_mesh(replay.batch, mesh), logits))
         return state, {**metrics, **out.metrics()}
 
