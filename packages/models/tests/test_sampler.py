@@ -24,10 +24,11 @@ from bd_models import (
     confidence,
     decode_completions,
     entropy,
+    first_argmax,
     sample,
     sampling_logprobs,
 )
-from bd_models._sampling_dist import first_argmax, gumbel_max
+from bd_models._sampling_dist import gumbel_max
 
 VOCAB, MASK, PAD, BLOCK = 32, 31, 30, 4
 STOPS = (3, 5, 7)  # frequent enough under a random model that rows stop mid-generation

@@ -56,6 +56,7 @@ from ._sampler_text import decode_completions as decode_completions
 from ._sampling_dist import SamplingDistribution as SamplingDistribution
 from ._sampling_dist import confidence as confidence
 from ._sampling_dist import entropy as entropy
+from ._sampling_dist import first_argmax as first_argmax
 from ._sampling_dist import sampling_logprobs as sampling_logprobs
 from ._sampling_dist import token_logprob as token_logprob
 from ._scoring import schedule_logprob as schedule_logprob

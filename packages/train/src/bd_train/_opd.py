@@ -18,7 +18,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from bd_core import CLEAN_VIEW, DistillationBatch, LossOutput, WeightedMetric, config_error
-from bd_models import map_logits
+from bd_models import first_argmax, map_logits
 
 from ._sft import token_cross_entropy
 
@@ -66,7 +66,7 @@ def _opd_terms(student_logits: Float[Array, "B T V"], teacher_logits: Float[Arra
     kl = jnp.sum(jnp.exp(teacher_logp) * (teacher_logp - student_logp), axis=-1)
     kl = jnp.where(active, kl, 0.0)
     ce = token_cross_entropy(student_logits, targets, active) if config.hard_ce_weight > 0 else None
-    agree = (jnp.argmax(student_logits, axis=-1) == jnp.argmax(teacher_logits, axis=-1)) & active
+    agree = (first_argmax(student_logits) == first_argmax(teacher_logits)) & active
     return kl, ce, agree
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from bd_core import DiffusionTokenBatch, LossOutput, WeightedMetric
-from bd_models import map_logits, with_dropout_keys
+from bd_models import first_argmax, map_logits, with_dropout_keys
 
 
 def token_cross_entropy(logits: Float[Array, "B T V"], targets: Int[Array | np.ndarray, "B T"],
@@ -30,7 +30,7 @@ def token_cross_entropy(logits: Float[Array, "B T V"], targets: Int[Array | np.n
 def _sft_terms(logits: Float[Array, "B T V"], targets: Any, active: Any) -> tuple[Array, Array]:
     """Per-position CE and whether the argmax is the target (position by position: `map_logits`)."""
     ce = token_cross_entropy(logits, targets, active)
-    return ce, (jnp.argmax(logits, axis=-1) == targets) & active
+    return ce, (first_argmax(logits) == targets) & active
 
 
 def _sft_output(ce: Array, correct: Array, batch: DiffusionTokenBatch) -> LossOutput:
