@@ -27,6 +27,7 @@ from bd_models import (
     first_argmax,
     sample,
     sampling_logprobs,
+    token_logprob,
 )
 from bd_models._sampling_dist import gumbel_max
 
@@ -178,6 +179,22 @@ def test_first_argmax_is_argmax(x):
     want = np.asarray(jnp.argmax(x, axis=-1))
     np.testing.assert_array_equal(first_argmax(jnp.asarray(x)), want)
     np.testing.assert_array_equal(jax.jit(first_argmax)(x), want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 9).flatmap(lambda v: st.tuples(
+    st.lists(st.floats(-1e6, 0.0, width=32) | st.just(-np.inf), min_size=3 * v, max_size=3 * v),
+    st.lists(st.integers(-2, v + 1), min_size=3, max_size=3))))
+def test_token_logprob_is_the_entry_and_nan_outside_the_vocabulary(case):
+    """Each in-vocabulary token's entry bit for bit (as a gather gives it, -inf included); NaN for
+    an id outside the vocabulary, negative ones too (a gather would wrap those)."""
+    entries, tokens = case
+    logp = np.asarray(entries, np.float32).reshape(3, -1)
+    tokens = np.asarray(tokens, np.int32)
+    inside = (tokens >= 0) & (tokens < logp.shape[1])
+    want = np.where(inside, logp[np.arange(3), np.clip(tokens, 0, logp.shape[1] - 1)], np.nan)
+    np.testing.assert_array_equal(token_logprob(jnp.asarray(logp), jnp.asarray(tokens)), want)
+    np.testing.assert_array_equal(jax.jit(token_logprob)(logp, tokens), want)
 
 
 def test_gumbel_max_draws_what_categorical_draws():
