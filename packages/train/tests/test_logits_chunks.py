@@ -1,6 +1,7 @@
 """Chunked logits (`ModelConfig.logits_chunk`): SFT, OPD and replay scoring give the loss, the
 metrics and the gradients of the whole logits to float32 tolerance, for chunk sizes that divide
-the packed length and sizes that leave a shorter last chunk."""
+the packed length and sizes that leave a shorter last chunk, a frozen head included; SFT's and
+OPD's backward passes keep nothing of the logits' size."""
 
 from __future__ import annotations
 
@@ -107,6 +108,53 @@ def test_opd_loss_and_gradients_equal_the_whole_logits(chunk, config):
                  _loss_and_grads(loss_fn, model.with_logits_chunk(chunk), distill))
 
 
+def test_a_frozen_head_gets_no_gradient_and_the_adapters_the_whole_logits_one():
+    """Under LoRA the head is frozen (not differentiated): the chunked SFT and OPD steps give the
+    adapters the whole logits' gradients, and compute none for the head."""
+    from bd_models import LoRAConfig, add_lora, trainable_filter
+
+    model = add_lora(_model(), LoRAConfig(rank=2, alpha=4.0, targets=("wq", "wv")), key=jax.random.key(4))
+    # B starts at zero, where the adapters' A gets no gradient: move B off zero.
+    model = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.1 if "lora_b" in jax.tree_util.keystr(path) else x, model)
+    batch = _batch(5)
+    teacher = jnp.asarray(np.random.default_rng(6).normal(size=(ROWS, LENGTH, V)) * 3, jnp.float32)
+    opd = make_opd_loss(OPDConfig(hard_ce_weight=0.5))
+    for loss_fn, b in [(lambda m, b: sft_objective(m, b), batch), (lambda m, b: opd(m, b, None),
+                                                                   DistillationBatch(batch, teacher))]:
+        def run(m, b=b, loss_fn=loss_fn):
+            params, static = eqx.partition(m, trainable_filter(m))
+            assert params.embedding is None  # the head is frozen
+            value, grads = jax.value_and_grad(lambda p: loss_fn(eqx.combine(p, static), b).loss.compute())(params)
+            return value, grads
+
+        (value, grads), (value_c, grads_c) = jax.jit(run)(model), jax.jit(run)(model.with_logits_chunk(5))
+        np.testing.assert_allclose(value_c, value, **TOL)
+        leaves, leaves_c = jax.tree.leaves(grads), jax.tree.leaves(grads_c)
+        assert len(leaves) == len(leaves_c) == 4 and all(float(jnp.max(jnp.abs(g))) > 0 for g in leaves)
+        for g, g_c in zip(leaves, leaves_c):
+            np.testing.assert_allclose(g_c, g, rtol=1e-5, atol=1e-7)
+
+
+def test_the_chunked_backward_keeps_neither_logits_nor_teacher_logits():
+    """`sum_logits` takes the head's gradient in the forward pass: what the backward pass of a
+    chunked SFT or OPD loss keeps (its residuals) holds nothing over the vocabulary, neither logits
+    nor OPD's teacher logits (which the whole logits' backward keeps, and `map_logits`' too)."""
+    model, batch = _model(), _batch(2)
+    teacher = jnp.asarray(np.random.default_rng(3).normal(size=(ROWS, LENGTH, V)) * 3, jnp.float32)
+    opd = make_opd_loss(OPDConfig(temperature=2.0, hard_ce_weight=0.5))
+    for loss_fn, b in [(lambda m, b: sft_objective(m, b), batch), (lambda m, b: opd(m, b, None),
+                                                                   DistillationBatch(batch, teacher))]:
+        def residual_shapes(m, b=b, loss_fn=loss_fn):
+            params, static = eqx.partition(m, eqx.is_inexact_array)
+            _, backward = jax.vjp(lambda p: loss_fn(eqx.combine(p, static), b).loss.numerator, params)
+            return [x.shape for x in jax.tree.leaves(backward) if hasattr(x, "shape")]
+
+        assert (ROWS, LENGTH, V) in residual_shapes(model)  # the whole logits' backward keeps them
+        # chunked: nothing over the vocabulary (the tied head's [V, D] gradient ends in D)
+        assert not [shape for shape in residual_shapes(model.with_logits_chunk(5)) if shape[-1:] == (V,)]
+
+
 DISTRIBUTIONS = {
     "model": SamplingDistribution(),
     "filtered": SamplingDistribution(temperature=0.7, top_k=9, top_p=0.9, banned_ids=(MASK,)),
@@ -192,6 +240,8 @@ def test_unrolled_for_cost_the_chunked_logits_count_their_whole_work():
         return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 
     whole, chunked = flops(model), flops(model.with_logits_chunk(4))
-    assert chunked == pytest.approx(whole, rel=0.01)
+    # `sum_logits` adds elementwise work on the head's gradient (its zero start, its scaling by the
+    # loss's cotangent): O(V·D) beside the head's O(B·T·V·D) products, 1.3% at this toy size.
+    assert chunked == pytest.approx(whole, rel=0.02)
     # what the twin counted before the chunk loop was unrolled too: one chunk's share of the head
     assert flops(model.with_logits_chunk(4), unrolled=False) < 0.9 * chunked

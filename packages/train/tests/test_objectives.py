@@ -53,6 +53,9 @@ def test_sft_loss_matches_reference_and_sanitizes_inactive_targets(batch_factory
     np.testing.assert_allclose(out.loss.denominator, np.sum(batch.denom_weights), rtol=1e-6)
     grads = jax.grad(lambda x: sft_loss(x, batch).loss.compute())(logits)
     assert bool(jnp.all(jnp.isfinite(grads))) and not bool(jnp.any(grads[~active] != 0))
+    onehot = np.eye(11)[np.where(active, np.asarray(targets), 0)]
+    scale = (w * active / np.sum(batch.denom_weights))[..., None]
+    np.testing.assert_allclose(grads, scale * (np.exp(logp) - onehot), atol=1e-6)
 
 
 def _opd_reference(student, teacher, weights, t, denom):

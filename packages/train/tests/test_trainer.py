@@ -123,14 +123,6 @@ def test_an_update_without_tokens_is_skipped_whatever_the_losss_eps(toy_model, b
     assert eqx.tree_equal((new_state.params, new_state.opt_state), (state.params, state.opt_state))
 
 
-def _run(trainer, state, batches, **kwargs):
-    losses = []
-    for batch in batches:
-        state, metrics = trainer.step(state, batch, **kwargs)
-        losses.append(float(metrics["loss"]))
-    return state, losses
-
-
 def test_streaming_accumulation_matches_scan(toy_model, batch_factory):
     model = toy_model(key=jax.random.key(5))
     optimizer = _gradient_probe()

@@ -30,6 +30,7 @@ from ._layers import rms_norm as rms_norm
 from ._layers import rope_angles as rope_angles
 from ._logits_chunks import logits_chunk as logits_chunk
 from ._logits_chunks import map_logits as map_logits
+from ._logits_chunks import sum_logits as sum_logits
 from ._lora import TARGETS as TARGETS
 from ._lora import LoRAConfig as LoRAConfig
 from ._lora import LoRAWeight as LoRAWeight
@@ -47,6 +48,7 @@ from ._lowering import lower_denoising_step as lower_denoising_step
 from ._lowering import lower_sample as lower_sample
 from ._mask import tile_needed as tile_needed
 from ._model import BlockDiffusionLM as BlockDiffusionLM
+from ._model import head_logits as head_logits
 from ._sampler import RecomputeModel as RecomputeModel
 from ._sampler import concat_layouts as concat_layouts
 from ._sampler import sample as sample

@@ -49,6 +49,18 @@ def _heads_first(q_BxTxKxGxE, k_BxTxKxE, v_BxTxKxE):
             jnp.transpose(v_BxTxKxE, (0, 2, 1, 3)))
 
 
+def head_logits(h_BxTxD: Float[Array, "B T D"], weight: Float[Array, "V D"] | Float[Array, "D V"], *, tied: bool,
+                dtype) -> Float[Array, "B T V"]:
+    """Float32 logits of final hidden states under the LM head `weight` (`[V, D]` when `tied` to the
+    embedding, else `[D, V]`), multiplied in `dtype`: `BlockDiffusionLM.unembed` with the weight
+    an argument (what `sum_logits` differentiates)."""
+    b, t, d = h_BxTxD.shape
+    head_DxV = weight.T if tied else weight
+    logits_BTxV = vocab_logits(jnp.dot(h_BxTxD.reshape(b * t, d).astype(dtype), head_DxV.astype(dtype),
+                                       preferred_element_type=jnp.float32))
+    return logits_BTxV.reshape(b, t, -1)
+
+
 class BlockDiffusionLM(eqx.Module):
     """The block-diffusion decoder: bidirectional inside a block, causal across blocks.
 
@@ -150,12 +162,12 @@ class BlockDiffusionLM(eqx.Module):
     def unembed(self, h_BxTxD: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         """Float32 logits of final hidden states (`features`): the (tied) LM head's matmul, row by row,
         so a slice of the tokens gives the same logits as the whole."""
-        b, t, d = h_BxTxD.shape
-        dtype = self.config.compute_jnp_dtype
-        head_DxV = self.embedding.T if self.lm_head is None else self.lm_head
-        logits_BTxV = vocab_logits(jnp.dot(h_BxTxD.reshape(b * t, d).astype(dtype), head_DxV.astype(dtype),
-                                           preferred_element_type=jnp.float32))
-        return logits_BTxV.reshape(b, t, -1)
+        return head_logits(h_BxTxD, self.head_weight, tied=self.lm_head is None, dtype=self.config.compute_jnp_dtype)
+
+    @property
+    def head_weight(self) -> Float[Array, "V D"] | Float[Array, "D V"]:
+        """The LM head's weight: the embedding `[V, D]` when tied, else `lm_head` `[D, V]`."""
+        return self.embedding if self.lm_head is None else self.lm_head
 
     def init_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty cache (every slot invalid) for canvases of up to `max_len` positions."""

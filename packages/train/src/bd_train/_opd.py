@@ -18,7 +18,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from bd_core import CLEAN_VIEW, DistillationBatch, LossOutput, WeightedMetric, config_error
-from bd_models import first_argmax, map_logits
+from bd_models import first_argmax, sum_logits
 
 from ._sft import token_cross_entropy
 
@@ -59,7 +59,7 @@ class OPDConfig:
 def _opd_terms(student_logits: Float[Array, "B T V"], teacher_logits: Float[Array, "B T V"], active: Any,
                targets: Any, *, config: OPDConfig) -> tuple[Array, Array | None, Array]:
     """Per position: KL(teacher_T ‖ student_T), the hard CE (None without it) and whether the two
-    argmaxes agree; position by position, so `map_logits` may compute it a chunk at a time."""
+    argmaxes agree; position by position, so `sum_logits` may compute it a chunk at a time."""
     t = config.temperature
     teacher_logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits).astype(jnp.float32) / t, axis=-1)
     student_logp = jax.nn.log_softmax(student_logits.astype(jnp.float32) / t, axis=-1)
@@ -70,17 +70,31 @@ def _opd_terms(student_logits: Float[Array, "B T V"], teacher_logits: Float[Arra
     return kl, ce, agree
 
 
+def _per_token(kl: Array, ce: Array | None, config: OPDConfig) -> Array:
+    """What the loss sums, weighted: KL·T² (+ α·CE)."""
+    per_token = kl * config.temperature**2
+    return per_token if ce is None else per_token + config.hard_ce_weight * ce
+
+
+def _opd_piece(student_logits: Float[Array, "B T V"], teacher_logits: Float[Array, "B T V"], active: Any,
+               targets: Any, *, config: OPDConfig) -> tuple[Array, tuple[Array, Array | None, Array]]:
+    """`_opd_terms` as `sum_logits` takes them: (the summed term, the terms)."""
+    kl, ce, agree = _opd_terms(student_logits, teacher_logits, active, targets, config=config)
+    return _per_token(kl, ce, config), (kl, ce, agree)
+
+
 def _opd_output(kl: Array, ce: Array | None, agree: Array, weights: Array, denom: Array,
-                config: OPDConfig) -> LossOutput:
+                config: OPDConfig, numerator: Array | None = None) -> LossOutput:
+    """The loss Σ w·(KL·T² + α·CE) (or `numerator`, the same sum with its gradient from
+    `sum_logits`) over Σ denom, and the metrics."""
     active = weights > 0
     den = jnp.sum(denom)
-    per_token = kl * config.temperature**2
     aux: dict[str, Any] = {"kl": WeightedMetric(jnp.sum(weights * kl), den)}
     if ce is not None:
-        per_token = per_token + config.hard_ce_weight * ce
         aux["hard_ce"] = WeightedMetric(jnp.sum(weights * ce), den)
     aux["teacher_agreement"] = WeightedMetric(jnp.sum(agree.astype(jnp.float32)), jnp.sum(active.astype(jnp.float32)))
-    return LossOutput(WeightedMetric(jnp.sum(weights * per_token), den), aux)
+    numerator = jnp.sum(weights * _per_token(kl, ce, config)) if numerator is None else numerator
+    return LossOutput(WeightedMetric(numerator, den), aux)
 
 
 def _weights(weights: Any, denom_weights: Any, targets: Any, config: OPDConfig) -> tuple[Array, Array, Array]:
@@ -114,13 +128,14 @@ def opd_positions(batch: DistillationBatch, config: OPDConfig) -> tuple[Any, Any
 def opd_objective(model: Any, batch: DistillationBatch, key: jax.Array | None = None, *,
                   config: OPDConfig) -> LossOutput:
     """The student's logits on the replayed views against the batch's teacher logits; with the
-    student's `logits_chunk`, a slice of the positions at a time (`bd_models.map_logits`)."""
+    student's `logits_chunk`, a slice of the positions at a time, the head's gradient with them
+    (`bd_models.sum_logits`: the backward pass does not read the teacher logits)."""
     del key
     weights, denom = opd_positions(batch, config)
     weights, denom, targets = _weights(weights, denom, batch.student.targets, config)
-    kl, ce, agree = map_logits(model, batch.student.layout, functools.partial(_opd_terms, config=config),
-                               batch.teacher_logits, weights > 0, targets)
-    return _opd_output(kl, ce, agree, weights, denom, config)
+    numerator, _, (kl, ce, agree) = sum_logits(model, batch.student.layout, functools.partial(_opd_piece, config=config),
+                                               weights, batch.teacher_logits, weights > 0, targets)
+    return _opd_output(kl, ce, agree, weights, denom, config, numerator)
 
 
 def make_opd_loss(config: OPDConfig) -> Callable[[Any, DistillationBatch, jax.Array], LossOutput]:

@@ -14,30 +14,32 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from bd_core import DiffusionTokenBatch, LossOutput, WeightedMetric
-from bd_models import first_argmax, map_logits, with_dropout_keys
+from bd_models import first_argmax, sum_logits, token_logprob, with_dropout_keys
 
 
 def token_cross_entropy(logits: Float[Array, "B T V"], targets: Int[Array | np.ndarray, "B T"],
                         active: Any) -> Float[Array, "B T"]:
-    """Per-position float32 CE; inactive positions read target 0 and return exactly 0."""
+    """Per-position float32 CE; inactive positions read target 0 and return exactly 0. The target's
+    logit is picked by `token_logprob` (compare and sum, no gather: exactly the entry)."""
     logits = logits.astype(jnp.float32)
     safe_targets = jnp.where(active, targets, 0)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, safe_targets[..., None], axis=-1)[..., 0]
-    return jnp.where(active, logz - picked, 0.0)
+    return jnp.where(active, logz - token_logprob(logits, safe_targets), 0.0)
 
 
 def _sft_terms(logits: Float[Array, "B T V"], targets: Any, active: Any) -> tuple[Array, Array]:
-    """Per-position CE and whether the argmax is the target (position by position: `map_logits`)."""
+    """Per-position CE and whether the argmax is the target (position by position: `sum_logits`)."""
     ce = token_cross_entropy(logits, targets, active)
     return ce, (first_argmax(logits) == targets) & active
 
 
-def _sft_output(ce: Array, correct: Array, batch: DiffusionTokenBatch) -> LossOutput:
+def _sft_output(ce: Array, correct: Array, batch: DiffusionTokenBatch, numerator: Array | None = None) -> LossOutput:
+    """The loss Σ w·CE (or `numerator`, the same sum with its gradient from `sum_logits`) and metrics."""
     weights = batch.weights.astype(jnp.float32)
     counted = (weights > 0).astype(jnp.float32)
+    numerator = jnp.sum(weights * ce) if numerator is None else numerator
     return LossOutput(
-        loss=WeightedMetric(jnp.sum(weights * ce), jnp.sum(batch.denom_weights.astype(jnp.float32))),
+        loss=WeightedMetric(numerator, jnp.sum(batch.denom_weights.astype(jnp.float32))),
         aux={
             "ce": WeightedMetric(jnp.sum(ce), jnp.sum(counted)),
             "token_accuracy": WeightedMetric(jnp.sum(correct.astype(jnp.float32)), jnp.sum(counted)),
@@ -54,8 +56,10 @@ def sft_objective(model: Any, batch: DiffusionTokenBatch, key: jax.Array | None 
     """`loss_fn` for the trainer: the model's logits on the batch layout, scored by `sft_loss`.
     The forward pass is deterministic (corruption happened in the data pipeline) except for LoRA
     adapters with dropout, which draw their masks from `key`. With the model's `logits_chunk` the
-    logits are computed a slice of the positions at a time (`bd_models.map_logits`)."""
+    logits are computed a slice of the positions at a time, the head's gradient with them
+    (`bd_models.sum_logits`)."""
     if key is not None:
         model = with_dropout_keys(model, key)
-    ce, correct = map_logits(model, batch.layout, _sft_terms, batch.targets, batch.weights > 0)
-    return _sft_output(ce, correct, batch)
+    numerator, ce, correct = sum_logits(model, batch.layout, _sft_terms, batch.weights, batch.targets,
+                                        batch.weights > 0)
+    return _sft_output(ce, correct, batch, numerator)
