@@ -4,8 +4,8 @@ pass), on a vocabulary large beside the model, as released checkpoints have.
 
 One process, the same model and batch for every variant: compiled peak (`memory_analysis()`:
 arguments + outputs + temporaries) and the median time of the loss, its metrics and its gradient
-(what a train step takes), and the gradients' largest difference from the whole logits' (relative to each leaf's largest entry). Writes
-bench/results/logits_head.json and its BENCHMARKS.md section.
+(what a train step takes), and the gradients' largest difference from the whole logits' (relative
+to each leaf's largest entry). Writes bench/results/logits_head.json and its BENCHMARKS.md section.
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ def main(steps: int = 5) -> None:
 
 def write_markdown(results: dict[str, dict[str, float]]) -> None:
     rows = [
-        f"The loss, its metrics and its gradient (no optimizer): vocab {CONFIG.vocab_size:,} tied, d_model {CONFIG.d_model}, "
-        f"{CONFIG.n_layers} layers, batch {BATCH} at T = {2 * CANVAS} (the 2L layout), float32, chunks of {CHUNK} "
+        f"The loss, its metrics and its gradient (no optimizer): vocab {CONFIG.vocab_size:,} tied, "
+        f"d_model {CONFIG.d_model}, {CONFIG.n_layers} layers, batch {BATCH} at T = {2 * CANVAS} (the 2L layout), "
+        f"float32, chunks of {CHUNK} "
         f"positions; OPD with random teacher logits and hard CE 0.5. Peak = compiled `memory_analysis()` arguments "
         f"+ outputs + temporaries; time = median of a few calls; the gradient difference is the largest over "
         f"leaves of |g - g_whole| / max |g_whole|.",

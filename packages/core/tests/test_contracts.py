@@ -9,6 +9,8 @@ from bd_core import (
     ContractError,
     DiffusionTokenBatch,
     DistillationBatch,
+    TeacherHead,
+    Unsplit,
     ViewLayout,
     attention_allowed,
 )
@@ -126,6 +128,31 @@ def test_distillation_batch_requires_target_aligned_logits():
         DistillationBatch.create(batch, np.full((B, T, V), np.inf, np.float32))
     with pytest.raises(ContractError, match=r"DistillationBatch\.student: expected a DiffusionTokenBatch"):
         DistillationBatch.create(batch.layout, np.zeros((B, T, V), np.float32))
+
+
+def test_distillation_batch_takes_teacher_features_with_the_head_that_reads_them():
+    batch, width = make_batch(), 4
+    features, head = np.zeros((B, T, width), np.float32), TeacherHead(jnp.zeros((V, width)), True, "float32")
+    made = DistillationBatch.create(batch, teacher_features=features, teacher_head=head)
+    assert made.teacher_logits is None and head.vocab_size == V and head.d_model == width
+    untied = TeacherHead(jnp.zeros((width, V)), False, "float32")
+    assert (untied.vocab_size, untied.d_model) == (V, width)
+    DistillationBatch.create(batch, teacher_features=features, teacher_head=untied)
+    # the head is a pytree whose static fields stay put, and microbatching leaves it whole
+    assert jax.tree.leaves(head) == [head.weight] and isinstance(head, Unsplit)
+    with pytest.raises(ContractError, match=r"either teacher_logits or teacher_features"):
+        DistillationBatch.create(batch, np.zeros((B, T, V), np.float32), teacher_features=features, teacher_head=head)
+    with pytest.raises(ContractError, match=r"either teacher_logits or teacher_features"):
+        DistillationBatch.create(batch)
+    with pytest.raises(ContractError, match=r"teacher_head: expected with teacher_features"):
+        DistillationBatch.create(batch, teacher_features=features)
+    with pytest.raises(ContractError, match=r"teacher_features: expected target-aligned shape \(2, 6, D\)"):
+        DistillationBatch.create(batch, teacher_features=features[:, :-1], teacher_head=head)
+    with pytest.raises(ContractError, match=r"teacher_head: its weight \(4, 11\) \(tied=False\) does not take "
+                                            r"features of width 3"):
+        DistillationBatch.create(batch, teacher_features=features[..., :3], teacher_head=untied)
+    with pytest.raises(ContractError, match=r"teacher_features: expected finite"):
+        DistillationBatch.create(batch, teacher_features=np.full((B, T, width), np.nan, np.float32), teacher_head=head)
 
 
 def test_attention_rule_on_a_two_view_layout():

@@ -16,7 +16,7 @@ import pytest
 
 from bd_core import DiffusionTokenBatch, DistillationBatch, ViewLayout
 from bd_models import BlockDiffusionLM, ModelConfig, SamplingDistribution, map_logits, token_logprobs, unroll_layers
-from bd_train import GRPOBatch, GRPOConfig, OPDConfig, make_grpo_loss, make_opd_loss, sft_objective
+from bd_train import GRPOBatch, GRPOConfig, OPDConfig, make_grpo_loss, make_opd_loss, sft_objective, teacher_head
 from bd_train._grpo import distribution_score
 
 V, ROWS, LENGTH, BLOCK, MASK = 61, 3, 16, 4, 60
@@ -106,6 +106,51 @@ def test_opd_loss_and_gradients_equal_the_whole_logits(chunk, config):
     loss_fn = lambda m, b: loss(m, b, None)  # noqa: E731
     _assert_same(_loss_and_grads(loss_fn, model, distill),
                  _loss_and_grads(loss_fn, model.with_logits_chunk(chunk), distill))
+
+
+def _teacher(tie: bool, dtype: str = "float32") -> BlockDiffusionLM:
+    config = ModelConfig(vocab_size=V, d_model=24, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32, block_size=BLOCK,
+                         attention="dense", tie_embeddings=tie, compute_dtype=dtype)
+    return BlockDiffusionLM(config, key=jax.random.key(9))
+
+
+@pytest.mark.parametrize(("chunk", "tie"), [(0, True), (5, True), (4, False)])
+def test_opd_from_the_teachers_features_and_head_equals_opd_from_its_logits(chunk, tie):
+    """A batch with the teacher's final hidden states and its head (`teacher_head`) gives the loss,
+    metrics and gradients of the batch with its logits: the loss computes them chunk by chunk."""
+    model, batch, teacher = _model(), _batch(2), _teacher(tie)
+    by_logits = DistillationBatch(batch, teacher(batch.layout))
+    by_features = DistillationBatch.create(batch, teacher_features=teacher.features(batch.layout),
+                                           teacher_head=teacher_head(teacher))
+    loss = make_opd_loss(OPDConfig(temperature=2.0, hard_ce_weight=0.5))
+    loss_fn = lambda m, b: loss(m, b, None)  # noqa: E731
+    student = model.with_logits_chunk(chunk)
+    _assert_same(_loss_and_grads(loss_fn, student, by_logits), _loss_and_grads(loss_fn, student, by_features))
+
+
+def test_a_microbatched_opd_step_hands_every_microbatch_the_whole_teacher_head():
+    """The head is `Unsplit`: a 3-microbatch step (interleaved, and split by hand) reads all of it in
+    every microbatch and updates the student as the step from the teacher's logits does."""
+    import optax
+
+    from bd_train import Trainer, TrainerConfig, split_microbatches
+
+    model, batch, teacher = _model().with_logits_chunk(5), _batch(3, rows=6), _teacher(False)
+    by_logits = DistillationBatch(batch, teacher(batch.layout))
+    by_features = DistillationBatch(batch, teacher_features=teacher.features(batch.layout),
+                                    teacher_head=teacher_head(teacher))
+    trainer = Trainer(make_opd_loss(OPDConfig()), optax.sgd(0.5), TrainerConfig(microbatches=3))
+    want, metrics = trainer.step(trainer.init(model, key=jax.random.key(1)), by_logits)
+    got, got_metrics = trainer.step(trainer.init(model, key=jax.random.key(1)), by_features)
+    stacked = split_microbatches(by_features, 3)
+    assert stacked.teacher_head.weight.shape == teacher.lm_head.shape  # whole, not split by rows
+    presplit, _ = Trainer(make_opd_loss(OPDConfig()), optax.sgd(0.5)).step_microbatches(
+        trainer.init(model, key=jax.random.key(1)), stacked)
+    np.testing.assert_allclose(got_metrics["loss"], metrics["loss"], **TOL)
+    for state in (got, presplit):
+        for g, w in zip(jax.tree.leaves(eqx.filter(state.model, eqx.is_array)),
+                        jax.tree.leaves(eqx.filter(want.model, eqx.is_array))):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-6)
 
 
 def test_a_frozen_head_gets_no_gradient_and_the_adapters_the_whole_logits_one():
@@ -216,6 +261,21 @@ def test_with_the_vocabulary_split_over_fsdp_losses_and_gradients_equal_one_devi
     with jax.set_mesh(mesh):
         got = trainer.step(trainer.init(sharded, key=jax.random.key(1)),
                            DistillationBatch(shard_batch(batch, mesh), placed))[0].model
+    for g, w in zip(jax.tree.leaves(eqx.filter(got, eqx.is_array)), jax.tree.leaves(eqx.filter(want, eqx.is_array))):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-6)
+
+    # As the stage runs it now: the teacher's features placed by rows and its head where the sharded
+    # teacher holds it (split over the vocabulary); the step equals the step from its logits.
+    teacher_model = BlockDiffusionLM(config.replace(d_model=24, logits_chunk=0), key=jax.random.key(2))
+    features = teacher_model.features(batch.layout)
+    want = trainer.step(trainer.init(model, key=jax.random.key(1)),
+                        DistillationBatch(batch, teacher_model(batch.layout)))[0].model
+    placed_teacher = shard_model(teacher_model, mesh)
+    assert placed_teacher.head_weight.sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
+    with jax.set_mesh(mesh):
+        by_features = DistillationBatch(shard_batch(batch, mesh), teacher_features=shard_batch(features, mesh),
+                                        teacher_head=teacher_head(placed_teacher))
+        got = trainer.step(trainer.init(sharded, key=jax.random.key(1)), by_features)[0].model
     for g, w in zip(jax.tree.leaves(eqx.filter(got, eqx.is_array)), jax.tree.leaves(eqx.filter(want, eqx.is_array))):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-6)
 

@@ -22,6 +22,8 @@ Shape letters, one meaning each across every bdlm package (arrays are named `x_B
 from ._batch import CLEAN_VIEW as CLEAN_VIEW
 from ._batch import DiffusionTokenBatch as DiffusionTokenBatch
 from ._batch import DistillationBatch as DistillationBatch
+from ._batch import TeacherHead as TeacherHead
+from ._batch import Unsplit as Unsplit
 from ._batch import ViewLayout as ViewLayout
 from ._config import ConfigError as ConfigError
 from ._config import config_error as config_error

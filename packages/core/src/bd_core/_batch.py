@@ -192,36 +192,95 @@ class DiffusionTokenBatch:
         return self
 
 
+class Unsplit:
+    """A part of a batch pytree that is not per row: microbatching hands every microbatch the whole
+    of it (a teacher's LM head) instead of splitting it on its leading axis like the rest."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TeacherHead(Unsplit):
+    """The teacher's LM head, which turns `DistillationBatch.teacher_features` into the teacher's
+    logits inside the loss, a chunk of positions at a time.
+
+    Attributes:
+        weight: the embedding `[V, D]` when `tied`, else the head `[D, V]`.
+        tied: whether `weight` is the (tied) embedding.
+        compute_dtype: the dtype the teacher's head multiplies in (its `ModelConfig.compute_dtype`).
+    """
+
+    weight: Array
+    tied: bool = dataclasses.field(metadata={"static": True})
+    compute_dtype: str = dataclasses.field(metadata={"static": True})
+
+    @property
+    def vocab_size(self) -> int:
+        return int(np.shape(self.weight)[0 if self.tied else 1])
+
+    @property
+    def d_model(self) -> int:
+        return int(np.shape(self.weight)[1 if self.tied else 0])
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DistillationBatch:
-    """A student diffusion batch with target-aligned teacher logits `[B, T, V]`."""
+    """A student diffusion batch with the teacher's target-aligned outputs: its logits `[B, T, V]`,
+    or its final hidden states `teacher_features` `[B, T, D]` and its `teacher_head`, from which
+    the loss computes the teacher's logits a chunk at a time (so they are never held whole).
+
+    Attributes:
+        student: the student's batch (the replayed views).
+        teacher_logits: the teacher's logits on the student's layout, or None with features.
+        teacher_features: the teacher's final hidden states on that layout, or None with logits.
+        teacher_head: the teacher's LM head, with `teacher_features` only.
+    """
 
     student: DiffusionTokenBatch
-    teacher_logits: Array
+    teacher_logits: Array | None = None
+    teacher_features: Array | None = None
+    teacher_head: TeacherHead | None = None
 
     @classmethod
-    def create(cls, student: DiffusionTokenBatch, teacher_logits: Any, *, validate: bool = True) -> DistillationBatch:
-        """A distillation batch from a student batch and the teacher's logits on the same layout, validated unless
-        `validate=False`."""
-        batch = cls(student, jnp.asarray(teacher_logits))
+    def create(cls, student: DiffusionTokenBatch, teacher_logits: Any = None, *, teacher_features: Any = None,
+               teacher_head: TeacherHead | None = None, validate: bool = True) -> DistillationBatch:
+        """A distillation batch from a student batch and the teacher's logits (or features and head)
+        on the same layout, validated unless `validate=False`."""
+        batch = cls(student, None if teacher_logits is None else jnp.asarray(teacher_logits),
+                    None if teacher_features is None else jnp.asarray(teacher_features), teacher_head)
         return batch.validate() if validate else batch
 
     def validate(self) -> DistillationBatch:
-        """Check shapes, dtypes and that the teacher's logits cover the student's layout; returns self or raises
-        `ContractError`."""
+        """Check shapes, dtypes and that the teacher's outputs cover the student's layout; returns
+        self or raises `ContractError`."""
         owner = "DistillationBatch"
         if not isinstance(self.student, DiffusionTokenBatch):
             raise ContractError(f"{owner}.student: expected a DiffusionTokenBatch, got {type(self.student).__name__}")
         self.student.validate()
         b, t = self.student.shape
-        shape = check_rank(owner, "teacher_logits", self.teacher_logits, 3, "B, T, V")
+        if (self.teacher_logits is None) == (self.teacher_features is None):
+            raise ContractError(f"{owner}: expected either teacher_logits or teacher_features (with teacher_head), "
+                                "not both and not neither")
+        if (self.teacher_features is None) != (self.teacher_head is None):
+            raise ContractError(f"{owner}.teacher_head: expected with teacher_features, and only with them")
+        name = "teacher_logits" if self.teacher_logits is not None else "teacher_features"
+        value = getattr(self, name)
+        last = "V" if name == "teacher_logits" else "D"
+        shape = check_rank(owner, name, value, 3, f"B, T, {last}")
         if shape[:2] != (b, t):
-            raise ContractError(
-                f"{owner}.teacher_logits: expected target-aligned shape ({b}, {t}, V) matching the student "
-                f"batch, got {shape}"
-            )
-        check_float(owner, "teacher_logits", self.teacher_logits)
-        if is_concrete(self.teacher_logits) and not np.all(np.isfinite(np.asarray(self.teacher_logits, np.float32))):
-            raise ContractError(f"{owner}.teacher_logits: expected finite values")
+            raise ContractError(f"{owner}.{name}: expected target-aligned shape ({b}, {t}, {last}) matching the "
+                                f"student batch, got {shape}")
+        check_float(owner, name, value)
+        if self.teacher_head is not None:
+            if not isinstance(self.teacher_head, TeacherHead):
+                raise ContractError(f"{owner}.teacher_head: expected a TeacherHead, got "
+                                    f"{type(self.teacher_head).__name__}")
+            check_rank(owner, "teacher_head.weight", self.teacher_head.weight, 2, "V, D" if self.teacher_head.tied
+                       else "D, V")
+            check_float(owner, "teacher_head.weight", self.teacher_head.weight)
+            if self.teacher_head.d_model != shape[2]:
+                raise ContractError(f"{owner}.teacher_head: its weight {tuple(np.shape(self.teacher_head.weight))} "
+                                    f"(tied={self.teacher_head.tied}) does not take features of width {shape[2]}")
+        if is_concrete(value) and not np.all(np.isfinite(np.asarray(value, np.float32))):
+            raise ContractError(f"{owner}.{name}: expected finite values")
         return self

@@ -65,9 +65,10 @@ class ModelConfig:
     MLP's gated activation from them, which costs less than saving and reloading their outputs),
     `none` (keep every activation), `full` (keep only each layer's input) or `save_matmuls` (keep
     the matmul outputs; recompute attention too).
-    `logits_chunk` (0: off) makes the losses (`map_logits`) compute the logits `logits_chunk`
-    positions of every row at a time, recomputed in the backward pass, so that the whole
-    `[B, T, V]` float32 logits are never held at once; the values and gradients are the same.
+    `logits_chunk` (0: off) makes the losses compute the logits `logits_chunk` positions of every
+    row at a time, so that the whole `[B, T, V]` float32 logits are never held at once: SFT's and
+    OPD's (`sum_logits`) with the head's gradient in the same pass, replay scoring's and GRPO's
+    (`map_logits`) recomputed in the backward pass; the values and gradients are the same.
     `head_dim` (0: d_model / n_heads) may differ from d_model / n_heads, as in Qwen3. `qk_norm`
     adds a per-head RMSNorm on queries and keys before RoPE (Qwen3, SDAR); `qkv_bias` adds biases to
     the q/k/v projections (Qwen2); `rope_scaling` applies Llama-3 frequency scaling; `activation`

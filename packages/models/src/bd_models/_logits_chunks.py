@@ -73,11 +73,12 @@ def map_logits(model: Any, layout: ViewLayout, fn: Callable[..., Any], *per_posi
 
 
 def sum_logits(model: Any, layout: ViewLayout, fn: Callable[..., tuple[Any, Any]], weights: Any, *per_position: Any,
-               chunk: int | None = None) -> tuple[jax.Array, Any, Any]:
-    """`(Σ weights · term, term, aux)` for `term, aux = fn(logits_BxTxV, *per_position)`: a loss that
-    is a weighted sum over positions of a per-position term of the logits (SFT's cross-entropy,
-    OPD's divergence), `term` `[B, T]` and `aux` (any pytree of `[B, T, ...]` arrays) as `fn` gives
-    them, without gradient. `weights` `[B, T]` carry no gradient either.
+               whole: tuple[Any, ...] = (), chunk: int | None = None) -> tuple[jax.Array, Any, Any]:
+    """`(Σ weights · term, term, aux)` for `term, aux = fn(logits_BxTxV, *per_position, *whole)`: a
+    loss that is a weighted sum over positions of a per-position term of the logits (SFT's
+    cross-entropy, OPD's divergence), `term` `[B, T]` and `aux` (any pytree of `[B, T, ...]` arrays)
+    as `fn` gives them, without gradient. `weights` `[B, T]` carry no gradient either, nor do
+    `whole`'s arrays, which `fn` gets whole with every chunk (a teacher's head).
 
     With the model's `logits_chunk` C > 0 (default; 0 is the reference, `fn` of the whole logits
     under plain autodiff) it runs C positions of every row at a time and, because the sum is linear
@@ -89,27 +90,28 @@ def sum_logits(model: Any, layout: ViewLayout, fn: Callable[..., tuple[Any, Any]
     computed. Needs a `BlockDiffusionLM` (`features`, `head_weight`)."""
     chunk = logits_chunk(model) if chunk is None else int(chunk)
     weights = jnp.asarray(weights, jnp.float32)
+    whole = tuple(lax.stop_gradient(jnp.asarray(a)) for a in whole)
     if chunk <= 0 or chunk >= layout.tokens.shape[1]:
-        term, aux = fn(model(layout), *per_position)
+        term, aux = fn(model(layout), *per_position, *whole)
         return jnp.sum(weights * term), lax.stop_gradient(term), lax.stop_gradient(aux)
     head = functools.partial(head_logits, tied=model.lm_head is None, dtype=model.config.compute_jnp_dtype)
     total, term, aux = _fused_sum(fn, head, chunk)(model.features(layout), model.head_weight, weights,
-                                                   tuple(jnp.asarray(a) for a in per_position))
+                                                   tuple(jnp.asarray(a) for a in per_position), whole)
     return total, lax.stop_gradient(term), lax.stop_gradient(aux)
 
 
 def _fused_sum(fn: Callable[..., tuple[Any, Any]], head: Callable[..., Any], chunk: int) -> Callable[..., Any]:
-    """`(h, weight, weights, xs) -> (total, term, aux)` chunk by chunk, whose forward pass under
-    differentiation also returns the gradient of `total` (see `sum_logits`)."""
+    """`(h, weight, weights, xs, whole) -> (total, term, aux)` chunk by chunk, whose forward pass
+    under differentiation also returns the gradient of `total` (see `sum_logits`)."""
 
-    def piece(h_BxCxD, weight, w_BxC, xs):
-        term, aux = fn(head(h_BxCxD, weight), *xs)
-        return jnp.sum(w_BxC * term), (term, aux)
-
-    def chunks(h, weight, w, xs, wrt: tuple[int, ...]):
+    def chunks(h, weight, w, xs, whole, wrt: tuple[int, ...]):
         """(total, term, aux, dh, dweight): the gradients (None where not in `wrt`) of every chunk."""
+        def piece(h_BxCxD, weight, w_BxC, xs):
+            term, aux = fn(head(h_BxCxD, weight), *xs, *whole)
+            return jnp.sum(w_BxC * term), (term, aux)
+
         length = h.shape[1]
-        whole, rest = divmod(length, chunk)
+        count, rest = divmod(length, chunk)
         grad = jax.value_and_grad(piece, argnums=wrt, has_aux=True) if wrt else None
 
         def run(start, size, carry):
@@ -131,32 +133,32 @@ def _fused_sum(fn: Callable[..., tuple[Any, Any]], head: Callable[..., Any], chu
         # h itself gives it h's placement (a constant would be held whole on every device), and
         # the same for the head's float32 sum.
         carry = (jnp.zeros((), jnp.float32), h if 0 in wrt else None, _zeros_placed_like(weight) if 1 in wrt else None)
-        carry, out = lax.scan(lambda c, i: run(i * chunk, chunk, c), carry, jnp.arange(whole, dtype=jnp.int32),
+        carry, out = lax.scan(lambda c, i: run(i * chunk, chunk, c), carry, jnp.arange(count, dtype=jnp.int32),
                               unroll=unrolled())
-        out = jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape((y.shape[1], whole * chunk) + y.shape[3:]), out)
+        out = jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape((y.shape[1], count * chunk) + y.shape[3:]), out)
         if rest:
-            carry, tail = run(whole * chunk, rest, carry)
+            carry, tail = run(count * chunk, rest, carry)
             out = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), out, tail)
         total, dh, dweight = carry
         return total, out[0], out[1], dh, None if dweight is None else dweight.astype(weight.dtype)
 
     @jax.custom_vjp
-    def fused(h, weight, w, xs):
-        total, term, aux, _, _ = chunks(h, weight, w, xs, ())
+    def fused(h, weight, w, xs, whole):
+        total, term, aux, _, _ = chunks(h, weight, w, xs, whole, ())
         return total, term, aux
 
-    def fused_fwd(h, weight, w, xs):
+    def fused_fwd(h, weight, w, xs, whole):
         wrt = tuple(i for i, x in enumerate((h, weight)) if x.perturbed)
         value = lambda tree: jax.tree.map(lambda x: x.value, tree)  # noqa: E731
-        total, term, aux, dh, dweight = chunks(h.value, weight.value, value(w), value(xs), wrt)
+        total, term, aux, dh, dweight = chunks(h.value, weight.value, value(w), value(xs), value(whole), wrt)
         return (total, term, aux), (dh, dweight)
 
     def fused_bwd(grads, cotangents):
         g = cotangents[0]
         if isinstance(g, SymbolicZero):
-            return None, None, None, None
+            return None, None, None, None, None
         scale = lambda d: None if d is None else (d * g).astype(d.dtype)  # noqa: E731
-        return scale(grads[0]), scale(grads[1]), None, None
+        return scale(grads[0]), scale(grads[1]), None, None, None
 
     fused.defvjp(fused_fwd, fused_bwd, symbolic_zeros=True)
     return fused

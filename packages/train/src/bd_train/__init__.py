@@ -34,6 +34,7 @@ from ._opd import make_opd_loss as make_opd_loss
 from ._opd import opd_loss as opd_loss
 from ._opd import opd_objective as opd_objective
 from ._opd import opd_positions as opd_positions
+from ._opd import teacher_head as teacher_head
 from ._optim import OptimizerConfig as OptimizerConfig
 from ._optim import make_optimizer as make_optimizer
 from ._replay import ReplayBatch as ReplayBatch

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bd_core import LossOutput, MaxMetric, MetricError, WeightedMetric, as_loss_output, reduce_metrics
+from bd_core import LossOutput, MaxMetric, MetricError, Unsplit, WeightedMetric, as_loss_output, reduce_metrics
 
 LossFn = Callable[[Any, Any, jax.Array], Any]
 
@@ -139,8 +139,30 @@ def _add_aux(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _is_unsplit(x: Any) -> bool:
+    return isinstance(x, Unsplit)
+
+
+def per_row(tree: Any) -> tuple[Any, Any]:
+    """`(rows, whole)`: a batch split into its per-row arrays and its `Unsplit` parts (each the
+    tree with the other part's places None); `join` puts them back together."""
+    whole, rows = eqx.partition(tree, _is_unsplit, is_leaf=_is_unsplit)
+    return rows, whole
+
+
+def join(rows: Any, whole: Any) -> Any:
+    """The batch `per_row` split."""
+    return eqx.combine(rows, whole, is_leaf=_is_unsplit)
+
+
+def map_rows(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """`fn` on every per-row array of a batch; its `Unsplit` parts as they are."""
+    return jax.tree_util.tree_map(lambda x: x if _is_unsplit(x) else fn(x), tree, is_leaf=_is_unsplit)
+
+
 def _leading_size(tree: Any) -> int:
-    sizes = {int(np.shape(leaf)[0]) for leaf in jax.tree_util.tree_leaves(tree) if np.ndim(leaf) > 0}
+    leaves = jax.tree_util.tree_leaves(per_row(tree)[0])
+    sizes = {int(np.shape(leaf)[0]) for leaf in leaves if np.ndim(leaf) > 0}
     if len(sizes) != 1:
         raise ValueError(f"microbatching: every array in the batch needs the same leading (batch) axis, got sizes "
                          f"{sorted(sizes)}")
@@ -154,14 +176,15 @@ def _pad_rows(tree: Any, rows: int) -> Any:
         leaf = jnp.asarray(leaf)
         return jnp.concatenate([leaf, jnp.zeros((rows - leaf.shape[0],) + leaf.shape[1:], leaf.dtype)], axis=0)
 
-    return jax.tree_util.tree_map(pad, tree)
+    return map_rows(pad, tree)
 
 
 def split_microbatches(batch: Any, num_microbatches: int | None = None, *, sizes: Sequence[int] | None = None) -> Any:
     """Split a batch on its leading axis into a stacked `[k, rows, ...]` batch.
 
     Give `num_microbatches` for k contiguous, near-equal parts, or `sizes` for explicit (possibly
-    unequal) parts. Short parts are padded with all-zero rows, which carry zero weight.
+    unequal) parts. Short parts are padded with all-zero rows, which carry zero weight. `Unsplit`
+    parts (a teacher's head) stay whole: every microbatch sees all of them.
     """
     total = _leading_size(batch)
     if sizes is None:
@@ -176,17 +199,17 @@ def split_microbatches(batch: Any, num_microbatches: int | None = None, *, sizes
     rows = max(max(sizes), 1)
     offsets = np.cumsum([0] + sizes)
     parts = [
-        _pad_rows(jax.tree_util.tree_map(lambda x, a=a, b=b: jnp.asarray(x)[a:b], batch), rows)
+        per_row(_pad_rows(map_rows(lambda x, a=a, b=b: jnp.asarray(x)[a:b], batch), rows))[0]
         for a, b in zip(offsets[:-1], offsets[1:])
     ]
-    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *parts)
+    return join(jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *parts), per_row(batch)[1])
 
 
 def interleave_microbatches(batch: Any, num_microbatches: int) -> Any:
     """Inside jit: `[B, ...] -> [k, B/k, ...]` taking every k-th row into the same microbatch.
 
     With the batch sharded contiguously over devices, each microbatch then keeps an equal share of
-    rows on every device, so the scan needs no cross-device data movement.
+    rows on every device, so the scan needs no cross-device data movement. `Unsplit` parts stay whole.
     """
     total = _leading_size(batch)
     if total % num_microbatches:
@@ -197,7 +220,12 @@ def interleave_microbatches(batch: Any, num_microbatches: int) -> Any:
         x = jnp.asarray(x)
         return jnp.swapaxes(x.reshape((total // num_microbatches, num_microbatches) + x.shape[1:]), 0, 1)
 
-    return jax.tree_util.tree_map(split, batch)
+    return map_rows(split, batch)
+
+
+def stack_one(batch: Any) -> Any:
+    """`[B, ...] -> [1, B, ...]`: a batch as one microbatch (`Unsplit` parts stay whole)."""
+    return map_rows(lambda x: jnp.asarray(x)[None], batch)
 
 
 def microbatch_key(key: jax.Array, update_step: jax.Array | int, index: jax.Array | int) -> jax.Array:
@@ -238,17 +266,19 @@ def accumulate(loss_fn: LossFn, params: Any, static: Any, microbatches: Any, *, 
 
     grad_fn = jax.value_and_grad(numerator, has_aux=True)
     count = _leading_size(microbatches)
+    rows, whole = per_row(microbatches)  # the scan steps through the rows; every step reads `whole`
 
     def body(carry, xs):
         grads, num, den = carry
         mb, index = xs
+        mb = join(mb, whole)
         (_, (total, aux)), g = grad_fn(params, mb, microbatch_key(key, update_step, start_index + index))
         grads = jax.tree_util.tree_map(lambda a, b: a + b.astype(jnp.float32), grads, g)
         return (grads, num + total.numerator.astype(jnp.float32), den + total.denominator.astype(jnp.float32)), (
             total, aux)
 
     init = (zeros_like_grads(params), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grads, num, den), (totals, aux) = jax.lax.scan(body, init, (microbatches, jnp.arange(count)))
+    (grads, num, den), (totals, aux) = jax.lax.scan(body, init, (rows, jnp.arange(count)))
     loss = WeightedMetric(num, den, totals.eps, totals.min_denom)
     return Accumulated(grads, loss, jnp.asarray(count, jnp.int32), _aux_sums(aux)), aux
 

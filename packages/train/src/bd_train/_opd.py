@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from bd_core import CLEAN_VIEW, DistillationBatch, LossOutput, WeightedMetric, config_error
-from bd_models import first_argmax, sum_logits
+from bd_core import CLEAN_VIEW, DistillationBatch, LossOutput, TeacherHead, WeightedMetric, config_error
+from bd_models import first_argmax, head_logits, sum_logits
 
 from ._sft import token_cross_entropy
 
@@ -76,10 +76,16 @@ def _per_token(kl: Array, ce: Array | None, config: OPDConfig) -> Array:
     return per_token if ce is None else per_token + config.hard_ce_weight * ce
 
 
-def _opd_piece(student_logits: Float[Array, "B T V"], teacher_logits: Float[Array, "B T V"], active: Any,
-               targets: Any, *, config: OPDConfig) -> tuple[Array, tuple[Array, Array | None, Array]]:
-    """`_opd_terms` as `sum_logits` takes them: (the summed term, the terms)."""
-    kl, ce, agree = _opd_terms(student_logits, teacher_logits, active, targets, config=config)
+def _opd_piece(student_logits: Float[Array, "B T V"], teacher: Float[Array, "B T V"] | Float[Array, "B T D"],
+               active: Any, targets: Any, *head_weight: Array, config: OPDConfig,
+               head: tuple[bool, str] | None) -> tuple[Array, tuple[Array, Array | None, Array]]:
+    """`_opd_terms` as `sum_logits` takes them: (the summed term, the terms). With the teacher's
+    `head` (a `TeacherHead`'s tied and compute dtype; its weight is `head_weight`), `teacher` is its
+    final hidden states, and its logits are computed here for the positions at hand."""
+    if head is not None:
+        tied, dtype = head
+        teacher = head_logits(teacher, head_weight[0], tied=tied, dtype=jnp.dtype(dtype))
+    kl, ce, agree = _opd_terms(student_logits, teacher, active, targets, config=config)
     return _per_token(kl, ce, config), (kl, ce, agree)
 
 
@@ -129,13 +135,25 @@ def opd_objective(model: Any, batch: DistillationBatch, key: jax.Array | None = 
                   config: OPDConfig) -> LossOutput:
     """The student's logits on the replayed views against the batch's teacher logits; with the
     student's `logits_chunk`, a slice of the positions at a time, the head's gradient with them
-    (`bd_models.sum_logits`: the backward pass does not read the teacher logits)."""
+    (`bd_models.sum_logits`: the backward pass does not read the teacher's outputs). A batch with
+    the teacher's features and head gets the teacher's logits computed a slice at a time too, so
+    neither model's `[B, T, V]` logits are ever held whole."""
     del key
     weights, denom = opd_positions(batch, config)
     weights, denom, targets = _weights(weights, denom, batch.student.targets, config)
-    numerator, _, (kl, ce, agree) = sum_logits(model, batch.student.layout, functools.partial(_opd_piece, config=config),
-                                               weights, batch.teacher_logits, weights > 0, targets)
+    head = batch.teacher_head
+    teacher = batch.teacher_logits if head is None else batch.teacher_features
+    piece = functools.partial(_opd_piece, config=config, head=None if head is None else (head.tied,
+                                                                                        head.compute_dtype))
+    numerator, _, (kl, ce, agree) = sum_logits(model, batch.student.layout, piece, weights, teacher,
+                                               weights > 0, targets, whole=() if head is None else (head.weight,))
     return _opd_output(kl, ce, agree, weights, denom, config, numerator)
+
+
+def teacher_head(teacher: Any) -> TeacherHead:
+    """The teacher's LM head as a `DistillationBatch` carries it beside the teacher's features
+    (`teacher.features(layout)`): its weight as it is (placed where the teacher's is)."""
+    return TeacherHead(teacher.head_weight, teacher.lm_head is None, teacher.config.compute_dtype)
 
 
 def make_opd_loss(config: OPDConfig) -> Callable[[Any, DistillationBatch, jax.Array], LossOutput]:

@@ -23,7 +23,6 @@ from bd_models import (
     batch_sharding,
     check_divisibility,
     has_adapters,
-    logits_format,
     lower,
     lower_denoising_step,
     lower_sample,
@@ -31,8 +30,9 @@ from bd_models import (
     token_logprobs,
 )
 
+from ._accumulate import map_rows
 from ._grpo import GRPOBatch, distribution_score, make_grpo_loss
-from ._opd import OPDConfig, make_opd_loss
+from ._opd import OPDConfig, make_opd_loss, teacher_head
 from ._optim import make_optimizer
 from ._plan_compile import Figures, Twin, figures, twin, twin_cost
 from ._plan_shapes import bytes_per_chip, diffusion_batch, model_maker, place_batch, place_state, sds
@@ -169,8 +169,8 @@ def _train_programs(stage: str, trainer: Trainer, maker: Callable[[int | None], 
     `maker(n)` makes the model with `n` layers (None: its own)."""
     make = maker(None)
     streaming = Trainer(trainer.loss_fn, trainer.optimizer, TrainerConfig(streaming=True, donate=True))
-    micro = jax.tree.map(lambda x: sds((x.shape[0] // microbatches, *x.shape[1:]), x.dtype,
-                                       x.format if getattr(x, "sharding", None) is not None else None), batch)
+    micro = map_rows(lambda x: sds((x.shape[0] // microbatches, *x.shape[1:]), x.dtype,
+                                   x.format if getattr(x, "sharding", None) is not None else None), batch)
 
     def placed_state(make: Callable[[], Any], streamed: bool = False) -> Any:
         like = jax.eval_shape(lambda: as_loss_output(streaming.loss_fn(
@@ -292,22 +292,24 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
                 _denoising_step_program(stage, make, sampler, rows, canvas.prompt_len, mesh)]
     if stage == "opd":
         teacher_maker = functools.partial(model_maker, run, "teacher", "opd")
-        logits = jax.eval_shape(lambda: teacher_maker(None)()(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                                                          replay.layout)))
+        teacher_config = run.model_config("teacher")
         placed, layout = _placed_model(teacher_maker(None), mesh), place_batch(replay.layout, mesh)
-        forward = lambda t, layout: t(layout)  # noqa: E731
-        held = logits_format(mesh, logits.shape[-1])  # as the stage's teacher forward writes them
+        # As the stage runs it: the teacher's forward writes its final hidden states, rows placed like
+        # the batch's, and the train step computes the teacher's logits from them with its head.
+        forward = lambda t, layout: t.features(layout)  # noqa: E731
+        held = batch_sharding(mesh)
         costed = twin(lambda n: lower(forward, _placed_model(teacher_maker(n), mesh),
                                        place_batch(replay.layout, mesh), out_shardings=held),
-                       run.model_config("teacher").n_layers, exact=not approx_cost) if cost == "all" else None
+                       teacher_config.n_layers, exact=not approx_cost) if cost == "all" else None
         programs.append(_Program(stage, "teacher forward", lower(forward, placed, layout, out_shardings=held),
                                  (placed, layout),
                                  bytes_per_chip(placed),
                                  cost=costed,
-                                 kernel_flops=splash_flops(run.model_config("teacher"), (rows, length), 1, mesh.size)))
+                                 kernel_flops=splash_flops(teacher_config, (rows, length), 1, mesh.size)))
         loss = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
                                        positions=section.positions, mask_id=run.tokenizer.mask_id))
-        batch = DistillationBatch(replay, sds(logits.shape, logits.dtype, held))
+        features = sds((rows, length, teacher_config.d_model), teacher_config.compute_dtype, held)
+        batch = DistillationBatch(replay, teacher_features=features, teacher_head=teacher_head(placed))
     else:
         distribution = sampler.distribution
         ref = sds((rows, length), jnp.float32) if section.beta > 0 else None

@@ -23,7 +23,17 @@ import optax
 from bd_core import LossOutput, as_loss_output, config_error, reduce_metrics
 from bd_models import lower, trainable_filter
 
-from ._accumulate import Accumulated, LossFn, accumulate, interleave_microbatches, microbatch_key, normalize
+from ._accumulate import (
+    Accumulated,
+    LossFn,
+    accumulate,
+    interleave_microbatches,
+    join,
+    microbatch_key,
+    normalize,
+    per_row,
+    stack_one,
+)
 
 
 class NonFiniteError(RuntimeError):
@@ -271,7 +281,7 @@ class Trainer:
         if presplit:
             return batch
         if self.config.microbatches == 1:
-            return jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], batch)
+            return stack_one(batch)
         return interleave_microbatches(batch, self.config.microbatches)
 
     def _train_impl(self, state: TrainState, batch: Any, is_update_step: bool, presplit: bool):
@@ -330,15 +340,15 @@ class Trainer:
     # -- eval --------------------------------------------------------------------------------------
 
     def _eval_impl(self, model: Any, batch: Any, key: jax.Array):
-        micro = self._stack(batch, presplit=False)
-        count = jax.tree_util.tree_leaves(micro)[0].shape[0]
+        rows, whole = per_row(self._stack(batch, presplit=False))
+        count = jax.tree_util.tree_leaves(rows)[0].shape[0]
 
         def body(_, xs):
             mb, index = xs
-            out = as_loss_output(self.loss_fn(model, mb, microbatch_key(key, 0, index)))
+            out = as_loss_output(self.loss_fn(model, join(mb, whole), microbatch_key(key, 0, index)))
             return None, {"loss": out.loss.total(), **out.aux}
 
-        _, stacked = jax.lax.scan(body, None, (micro, jnp.arange(count)))
+        _, stacked = jax.lax.scan(body, None, (rows, jnp.arange(count)))
         return stacked
 
     def evaluate(self, model: Any, batches: Iterable[Any], *, key: jax.Array) -> dict[str, jax.Array]:

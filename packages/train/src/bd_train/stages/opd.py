@@ -19,9 +19,9 @@ import equinox as eqx
 import jax
 
 from bd_core import DistillationBatch
-from bd_models import ModelConfig, logits_format
+from bd_models import ModelConfig, batch_sharding
 
-from .._opd import OPDConfig, make_opd_loss
+from .._opd import OPDConfig, make_opd_loss, teacher_head
 from .._optim import make_optimizer
 from .._replay import build_replay, replay_capacity
 from .._trainer import Trainer, TrainerConfig
@@ -35,19 +35,19 @@ OPD_CURVES = ("loss", "kl", "teacher_agreement", "nfe_per_token")
 
 
 @eqx.filter_jit
-def _teacher_logits(teacher, layout):
-    return teacher(layout)
+def _teacher_features(teacher, layout):
+    return teacher.features(layout)
 
 
 def _teacher_forward(teacher: Any, mesh: Any) -> Callable[[Any], Any]:
-    """The frozen teacher's logits of a replay batch's views, one program compiled once; on a mesh
-    they come out as OPD's loss reads them (`logits_format`: split over the vocabulary where the
-    head is, row-major), so the train step takes them without a copy."""
+    """The frozen teacher's final hidden states of a replay batch's views, one program compiled
+    once; on a mesh their rows are placed like the batch's. OPD's loss computes the teacher's logits
+    from them with `teacher_head`, a chunk of positions at a time, so they are never held whole."""
     if mesh is None:
-        return functools.partial(_teacher_logits, teacher)
+        return functools.partial(_teacher_features, teacher)
     params, static = eqx.partition(teacher, eqx.is_array)
-    program = jax.jit(lambda p, layout: eqx.combine(p, static)(layout),
-                      out_shardings=logits_format(mesh, teacher.config.vocab_size))
+    program = jax.jit(lambda p, layout: eqx.combine(p, static).features(layout),
+                      out_shardings=batch_sharding(mesh))
     return lambda layout: program(params, layout)
 
 
@@ -99,15 +99,16 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
                       TrainerConfig(microbatches=section.microbatches, donate=True))
     state = trainer.init(model, key=keys["train"])
     prompts = run.prompts("opd", section.prompts_per_step)
-    teacher_forward = _teacher_forward(teacher_model, mesh)
+    teacher_forward, head = _teacher_forward(teacher_model, mesh), teacher_head(teacher_model)
 
     def step_fn(state, step):
         batch = next(prompts)
         out = roll_out(state.model, (batch.tokens, batch.valid), batch.examples, sampler, tokenizer=run.tokenizer,
                        reward=run.reward, key=jax.random.fold_in(keys["rollout"], step), mesh=mesh)
         replay = build_replay(out.rollout, mask_id=mask_id, num_views=replay_capacity(sampler))
-        logits = teacher_forward(replay.batch.layout)
-        state, metrics = trainer.step(state, DistillationBatch(on_mesh(replay.batch, mesh), logits))
+        features = teacher_forward(replay.batch.layout)
+        batch = DistillationBatch(on_mesh(replay.batch, mesh), teacher_features=features, teacher_head=head)
+        state, metrics = trainer.step(state, batch)
         return state, {**metrics, **out.metrics()}
 
     pinned = {"identity": identity, "teacher": teacher.fingerprint, "training": run.training("opd"), **adapters}
