@@ -1,6 +1,7 @@
 """The LM head of SFT's and OPD's losses: the whole logits, `map_logits` (chunks, the backward pass
 recomputing each chunk's logits) and `sum_logits` (chunks, the head's gradient taken in the forward
-pass), on a vocabulary large beside the model, as released checkpoints have.
+pass; for OPD also from the teacher's features and head instead of its logits), on a vocabulary
+large beside the model, as released checkpoints have.
 
 One process, the same model and batch for every variant: compiled peak (`memory_analysis()`:
 arguments + outputs + temporaries) and the median time of the loss, its metrics and its gradient
@@ -10,20 +11,15 @@ to each leaf's largest entry). Writes bench/results/logits_head.json and its BEN
 
 from __future__ import annotations
 
-import functools
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from _report import write_results, write_section
 from train_step import median_time, sft_batch
 
-from bd_core import DiffusionTokenBatch, DistillationBatch
-from bd_models import BlockDiffusionLM, ModelConfig, map_logits
-from bd_train import OPDConfig, opd_objective, opd_positions, sft_objective
-from bd_train._opd import _opd_output, _opd_terms, _weights
-from bd_train._sft import _sft_output, _sft_terms
+from bd_core import DiffusionTokenBatch, DistillationBatch, LossOutput, WeightedMetric
+from bd_models import BlockDiffusionLM, ModelConfig, first_argmax, map_logits
+from bd_train import OPDConfig, opd_objective, opd_positions, sft_objective, teacher_head, token_cross_entropy
 
 CONFIG = ModelConfig(vocab_size=32_000, d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=1024, block_size=4,
                      attention="blocked", compute_dtype="float32", param_dtype="float32")
@@ -32,26 +28,48 @@ OPD = OPDConfig(temperature=1.0, hard_ce_weight=0.5)
 
 
 def sft_map_logits(model, batch):
-    """SFT's loss through `map_logits`: what `sft_objective` computed before `sum_logits`."""
-    ce, correct = map_logits(model, batch.layout, _sft_terms, batch.targets, batch.weights > 0)
-    return _sft_output(ce, correct, batch)
+    """SFT's loss and metrics through `map_logits` (the backward pass recomputes each chunk): the
+    same per-position terms as `sft_objective`'s."""
+    def terms(logits, targets, active):
+        return token_cross_entropy(logits, targets, active), (first_argmax(logits) == targets) & active
+
+    ce, correct = map_logits(model, batch.layout, terms, batch.targets, batch.weights > 0)
+    counted = jnp.sum((batch.weights > 0).astype(jnp.float32))
+    return LossOutput(WeightedMetric(jnp.sum(batch.weights * ce), jnp.sum(batch.denom_weights)),
+                      {"ce": WeightedMetric(jnp.sum(ce), counted),
+                       "token_accuracy": WeightedMetric(jnp.sum(correct.astype(jnp.float32)), counted)})
 
 
 def opd_map_logits(model, batch):
-    """OPD's loss through `map_logits`: what `opd_objective` computed before `sum_logits`."""
+    """OPD's loss and metrics through `map_logits`, from the teacher's logits: the same
+    per-position terms as `opd_objective`'s."""
     weights, denom = opd_positions(batch, OPD)
-    weights, denom, targets = _weights(weights, denom, batch.student.targets, OPD)
-    kl, ce, agree = map_logits(model, batch.student.layout, functools.partial(_opd_terms, config=OPD),
-                               batch.teacher_logits, weights > 0, targets)
-    return _opd_output(kl, ce, agree, weights, denom, OPD)
+    t = OPD.temperature
+
+    def terms(student, teacher, active, targets):
+        p = jax.nn.log_softmax(jax.lax.stop_gradient(teacher).astype(jnp.float32) / t, axis=-1)
+        q = jax.nn.log_softmax(student.astype(jnp.float32) / t, axis=-1)
+        kl = jnp.where(active, jnp.sum(jnp.exp(p) * (p - q), axis=-1), 0.0)
+        agree = (first_argmax(student) == first_argmax(teacher)) & active
+        return kl, token_cross_entropy(student, targets, active), agree
+
+    kl, ce, agree = map_logits(model, batch.student.layout, terms, batch.teacher_logits, weights > 0,
+                               batch.student.targets)
+    den = jnp.sum(denom)
+    return LossOutput(WeightedMetric(jnp.sum(weights * (kl * t**2 + OPD.hard_ce_weight * ce)), den),
+                      {"kl": WeightedMetric(jnp.sum(weights * kl), den),
+                       "hard_ce": WeightedMetric(jnp.sum(weights * ce), den),
+                       "teacher_agreement": WeightedMetric(jnp.sum(agree.astype(jnp.float32)),
+                                                           jnp.sum((weights > 0).astype(jnp.float32)))})
 
 
 def batches():
     layout, targets, weights = sft_batch(CONFIG, BATCH, CANVAS)
     sft = DiffusionTokenBatch.create(layout, targets, weights, weights)
-    shape = (BATCH, 2 * CANVAS, CONFIG.vocab_size)
-    teacher = jnp.asarray(np.random.default_rng(1).normal(size=shape) * 3, jnp.float32)
-    return sft, DistillationBatch(sft, teacher)
+    teacher = BlockDiffusionLM(CONFIG, key=jax.random.key(1))
+    by_logits = DistillationBatch(sft, teacher(layout))
+    by_features = DistillationBatch(sft, teacher_features=teacher.features(layout), teacher_head=teacher_head(teacher))
+    return sft, by_logits, by_features
 
 
 def measure(loss, model, batch, steps: int):
@@ -83,23 +101,29 @@ def largest_difference(grads, reference) -> float:
                for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference)))
 
 
+def opd(model, batch):
+    return opd_objective(model, batch, config=OPD)
+
+
+# (loss, chunk, batch): "sft", "opd logits" (the teacher's logits in the batch) or "opd features"
 VARIANTS = {
-    "sft": {"whole logits": (sft_objective, 0), "map_logits": (sft_map_logits, CHUNK),
-            "sum_logits": (sft_objective, CHUNK)},
-    "opd": {"whole logits": (lambda m, b: opd_objective(m, b, config=OPD), 0), "map_logits": (opd_map_logits, CHUNK),
-            "sum_logits": (lambda m, b: opd_objective(m, b, config=OPD), CHUNK)},
+    "sft": {"whole logits": (sft_objective, 0, "sft"), "map_logits": (sft_map_logits, CHUNK, "sft"),
+            "sum_logits": (sft_objective, CHUNK, "sft")},
+    "opd": {"whole logits": (opd, 0, "opd logits"), "map_logits": (opd_map_logits, CHUNK, "opd logits"),
+            "sum_logits": (opd, CHUNK, "opd logits"),
+            "sum_logits, teacher features": (opd, CHUNK, "opd features")},
 }
 
 
 def main(steps: int = 5) -> None:
     model = BlockDiffusionLM(CONFIG, key=jax.random.key(0))
-    sft, opd = batches()
+    sft, by_logits, by_features = batches()
+    named = {"sft": sft, "opd logits": by_logits, "opd features": by_features}
     results: dict[str, dict[str, float]] = {}
     for loss_name, variants in VARIANTS.items():
-        batch = sft if loss_name == "sft" else opd
         reference = None
-        for name, (loss, chunk) in variants.items():
-            grads, r = measure(loss, model.with_logits_chunk(chunk), batch, steps)
+        for name, (loss, chunk, batch) in variants.items():
+            grads, r = measure(loss, model.with_logits_chunk(chunk), named[batch], steps)
             reference = grads if reference is None else reference
             r["grad_difference"] = largest_difference(grads, reference)
             results[f"{loss_name} {name}"] = r
@@ -114,7 +138,8 @@ def write_markdown(results: dict[str, dict[str, float]]) -> None:
         f"The loss, its metrics and its gradient (no optimizer): vocab {CONFIG.vocab_size:,} tied, "
         f"d_model {CONFIG.d_model}, {CONFIG.n_layers} layers, batch {BATCH} at T = {2 * CANVAS} (the 2L layout), "
         f"float32, chunks of {CHUNK} "
-        f"positions; OPD with random teacher logits and hard CE 0.5. Peak = compiled `memory_analysis()` arguments "
+        f"positions; OPD against a teacher of the same shape (its logits, or its features and head, in the batch), "
+        f"hard CE 0.5. Peak = compiled `memory_analysis()` arguments "
         f"+ outputs + temporaries; time = median of a few calls; the gradient difference is the largest over "
         f"leaves of |g - g_whole| / max |g_whole|.",
         "",

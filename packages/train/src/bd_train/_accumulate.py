@@ -143,16 +143,16 @@ def _is_unsplit(x: Any) -> bool:
     return isinstance(x, Unsplit)
 
 
-def per_row(tree: Any) -> tuple[Any, Any]:
-    """`(rows, whole)`: a batch split into its per-row arrays and its `Unsplit` parts (each the
-    tree with the other part's places None); `join` puts them back together."""
-    whole, rows = eqx.partition(tree, _is_unsplit, is_leaf=_is_unsplit)
-    return rows, whole
+def per_row(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """`(rows, rebuild)`: a batch's per-row arrays as a flat list (None in place of its `Unsplit`
+    parts), and the function that rebuilds the batch from such a list, putting the `Unsplit` parts
+    back. (Flattened, not partitioned: a batch type may check its fields' types when rebuilt.)"""
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_unsplit)
 
+    def rebuild(rows: list[Any]) -> Any:
+        return jax.tree_util.tree_unflatten(treedef, [x if _is_unsplit(x) else r for x, r in zip(leaves, rows)])
 
-def join(rows: Any, whole: Any) -> Any:
-    """The batch `per_row` split."""
-    return eqx.combine(rows, whole, is_leaf=_is_unsplit)
+    return [None if _is_unsplit(x) else x for x in leaves], rebuild
 
 
 def map_rows(fn: Callable[[Any], Any], tree: Any) -> Any:
@@ -202,7 +202,7 @@ def split_microbatches(batch: Any, num_microbatches: int | None = None, *, sizes
         per_row(_pad_rows(map_rows(lambda x, a=a, b=b: jnp.asarray(x)[a:b], batch), rows))[0]
         for a, b in zip(offsets[:-1], offsets[1:])
     ]
-    return join(jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *parts), per_row(batch)[1])
+    return per_row(batch)[1](jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *parts))
 
 
 def interleave_microbatches(batch: Any, num_microbatches: int) -> Any:
@@ -266,12 +266,12 @@ def accumulate(loss_fn: LossFn, params: Any, static: Any, microbatches: Any, *, 
 
     grad_fn = jax.value_and_grad(numerator, has_aux=True)
     count = _leading_size(microbatches)
-    rows, whole = per_row(microbatches)  # the scan steps through the rows; every step reads `whole`
+    rows, rebuild = per_row(microbatches)  # the scan steps through the rows; `Unsplit` parts stay whole
 
     def body(carry, xs):
         grads, num, den = carry
         mb, index = xs
-        mb = join(mb, whole)
+        mb = rebuild(mb)
         (_, (total, aux)), g = grad_fn(params, mb, microbatch_key(key, update_step, start_index + index))
         grads = jax.tree_util.tree_map(lambda a, b: a + b.astype(jnp.float32), grads, g)
         return (grads, num + total.numerator.astype(jnp.float32), den + total.denominator.astype(jnp.float32)), (

@@ -28,7 +28,6 @@ from ._accumulate import (
     LossFn,
     accumulate,
     interleave_microbatches,
-    join,
     microbatch_key,
     normalize,
     per_row,
@@ -340,12 +339,12 @@ class Trainer:
     # -- eval --------------------------------------------------------------------------------------
 
     def _eval_impl(self, model: Any, batch: Any, key: jax.Array):
-        rows, whole = per_row(self._stack(batch, presplit=False))
+        rows, rebuild = per_row(self._stack(batch, presplit=False))
         count = jax.tree_util.tree_leaves(rows)[0].shape[0]
 
         def body(_, xs):
             mb, index = xs
-            out = as_loss_output(self.loss_fn(model, join(mb, whole), microbatch_key(key, 0, index)))
+            out = as_loss_output(self.loss_fn(model, rebuild(mb), microbatch_key(key, 0, index)))
             return None, {"loss": out.loss.total(), **out.aux}
 
         _, stacked = jax.lax.scan(body, None, (rows, jnp.arange(count)))
