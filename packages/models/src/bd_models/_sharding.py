@@ -167,8 +167,10 @@ def logits_sharding(mesh: Mesh, vocab_size: int) -> NamedSharding:
 
 
 def logits_format(mesh: Mesh, vocab_size: int) -> Format:
-    """`logits_sharding` with the row-major layout fixed: how OPD's teacher logits are held from the
-    teacher's forward to the train step, which reads them position by position. Left to its
+    """`logits_sharding` with the row-major layout fixed: how teacher logits that a distillation
+    batch carries (`DistillationBatch.teacher_logits`; the OPD stage carries the teacher's features
+    instead) are best held from the teacher's forward to the train step, which reads them position
+    by position. Left to its
     default, libtpu lays out a `[rows, T, V/fsdp]` shard whose vocabulary slice is not a multiple
     of 128 lanes (151,936 over 8 chips: 18,992) with the rows in the lanes once a chip holds a
     multiple of 128 rows, and the train step then copies the whole argument back to row-major
