@@ -84,9 +84,9 @@ def sum_logits(model: Any, layout: ViewLayout, fn: Callable[..., tuple[Any, Any]
     under plain autodiff) it runs C positions of every row at a time and, because the sum is linear
     in each term, takes the sum's gradient with respect to the final hidden states and the LM head
     in the same pass (a `jax.custom_vjp`; the backward pass scales them by the sum's cotangent).
-    The backward pass then neither recomputes the logits nor reads `per_position` again (OPD's
-    teacher logits die with the forward), and the head's matmuls run three times per chunk instead
-    of `map_logits`' four. A head that is not differentiated (frozen under LoRA) gets no gradient
+    The backward pass then neither recomputes the logits nor reads `per_position` or `whole` again
+    (OPD's teacher outputs die with the forward), and the head's matmuls run three times per chunk
+    instead of `map_logits`' four. A head that is not differentiated (frozen under LoRA) gets no gradient
     computed. Needs a `BlockDiffusionLM` (`features`, `head_weight`)."""
     chunk = logits_chunk(model) if chunk is None else int(chunk)
     weights = jnp.asarray(weights, jnp.float32)
