@@ -18,7 +18,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from bd_core import CLEAN_VIEW, DistillationBatch, LossOutput, TeacherHead, WeightedMetric, config_error
-from bd_models import first_argmax, head_logits, sum_logits
+from bd_models import first_argmax, head_logits, logits_chunk, sum_logits
 
 from ._sft import token_cross_entropy
 
@@ -57,7 +57,7 @@ class OPDConfig:
 
 
 def _opd_terms(student_logits: Float[Array, "B T V"], teacher_logits: Float[Array, "B T V"], active: Any,
-               targets: Any, *, config: OPDConfig) -> tuple[Array, Array | None, Array]:
+               targets: Any, *, config: OPDConfig, gather: bool = True) -> tuple[Array, Array | None, Array]:
     """Per position: KL(teacher_T ‖ student_T), the hard CE (None without it) and whether the two
     argmaxes agree; position by position, so `sum_logits` may compute it a chunk at a time."""
     t = config.temperature
@@ -65,7 +65,7 @@ def _opd_terms(student_logits: Float[Array, "B T V"], teacher_logits: Float[Arra
     student_logp = jax.nn.log_softmax(student_logits.astype(jnp.float32) / t, axis=-1)
     kl = jnp.sum(jnp.exp(teacher_logp) * (teacher_logp - student_logp), axis=-1)
     kl = jnp.where(active, kl, 0.0)
-    ce = token_cross_entropy(student_logits, targets, active) if config.hard_ce_weight > 0 else None
+    ce = token_cross_entropy(student_logits, targets, active, gather=gather) if config.hard_ce_weight > 0 else None
     agree = (first_argmax(student_logits) == first_argmax(teacher_logits)) & active
     return kl, ce, agree
 
@@ -77,15 +77,15 @@ def _per_token(kl: Array, ce: Array | None, config: OPDConfig) -> Array:
 
 
 def _opd_piece(student_logits: Float[Array, "B T V"], teacher: Float[Array, "B T V"] | Float[Array, "B T D"],
-               active: Any, targets: Any, *head_weight: Array, config: OPDConfig,
-               head: tuple[bool, str] | None) -> tuple[Array, tuple[Array, Array | None, Array]]:
+               active: Any, targets: Any, *head_weight: Array, config: OPDConfig, head: tuple[bool, str] | None,
+               gather: bool = True) -> tuple[Array, tuple[Array, Array | None, Array]]:
     """`_opd_terms` as `sum_logits` takes them: (the summed term, the terms). With the teacher's
     `head` (a `TeacherHead`'s tied and compute dtype; its weight is `head_weight`), `teacher` is its
     final hidden states, and its logits are computed here for the positions at hand."""
     if head is not None:
         tied, dtype = head
         teacher = head_logits(teacher, head_weight[0], tied=tied, dtype=jnp.dtype(dtype))
-    kl, ce, agree = _opd_terms(student_logits, teacher, active, targets, config=config)
+    kl, ce, agree = _opd_terms(student_logits, teacher, active, targets, config=config, gather=gather)
     return _per_token(kl, ce, config), (kl, ce, agree)
 
 
@@ -143,8 +143,8 @@ def opd_objective(model: Any, batch: DistillationBatch, key: jax.Array | None = 
     weights, denom, targets = _weights(weights, denom, batch.student.targets, config)
     head = batch.teacher_head
     teacher = batch.teacher_logits if head is None else batch.teacher_features
-    piece = functools.partial(_opd_piece, config=config, head=None if head is None else (head.tied,
-                                                                                        head.compute_dtype))
+    piece = functools.partial(_opd_piece, config=config, head=None if head is None else (head.tied, head.compute_dtype),
+                              gather=logits_chunk(model) <= 0)
     numerator, _, (kl, ce, agree) = sum_logits(model, batch.student.layout, piece, weights, teacher,
                                                weights > 0, targets, whole=() if head is None else (head.weight,))
     return _opd_output(kl, ce, agree, weights, denom, config, numerator)

@@ -6,6 +6,7 @@ indexing; numerator Σ w·CE, denominator Σ denom_weights (DESIGN.md, "Losses a
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -14,22 +15,29 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from bd_core import DiffusionTokenBatch, LossOutput, WeightedMetric
-from bd_models import first_argmax, sum_logits, with_dropout_keys
+from bd_models import first_argmax, logits_chunk, sum_logits, token_logprob, with_dropout_keys
 
 
 def token_cross_entropy(logits: Float[Array, "B T V"], targets: Int[Array | np.ndarray, "B T"],
-                        active: Any) -> Float[Array, "B T"]:
-    """Per-position float32 CE; inactive positions read target 0 and return exactly 0."""
+                        active: Any, *, gather: bool = True) -> Float[Array, "B T"]:
+    """Per-position float32 CE; inactive positions read target 0 and return exactly 0. The target's
+    logit is gathered, or with `gather=False` picked by `token_logprob`'s compare and sum: the same
+    values, and over logits split by their vocabulary no index arrays of the logits' size (the
+    chunked losses use it). The whole-logits path keeps the gather: on CPU the two fuse differently,
+    and the pipeline's printed results were measured with the gather."""
     logits = logits.astype(jnp.float32)
     safe_targets = jnp.where(active, targets, 0)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, safe_targets[..., None], axis=-1)[..., 0]
+    if gather:
+        picked = jnp.take_along_axis(logits, safe_targets[..., None], axis=-1)[..., 0]
+    else:
+        picked = token_logprob(logits, safe_targets)
     return jnp.where(active, logz - picked, 0.0)
 
 
-def _sft_terms(logits: Float[Array, "B T V"], targets: Any, active: Any) -> tuple[Array, Array]:
+def _sft_terms(logits: Float[Array, "B T V"], targets: Any, active: Any, *, gather: bool = True) -> tuple[Array, Array]:
     """Per-position CE and whether the argmax is the target (position by position: `sum_logits`)."""
-    ce = token_cross_entropy(logits, targets, active)
+    ce = token_cross_entropy(logits, targets, active, gather=gather)
     return ce, (first_argmax(logits) == targets) & active
 
 
@@ -60,6 +68,6 @@ def sft_objective(model: Any, batch: DiffusionTokenBatch, key: jax.Array | None 
     (`bd_models.sum_logits`)."""
     if key is not None:
         model = with_dropout_keys(model, key)
-    numerator, ce, correct = sum_logits(model, batch.layout, _sft_terms, batch.weights, batch.targets,
-                                        batch.weights > 0)
+    terms = functools.partial(_sft_terms, gather=logits_chunk(model) <= 0)
+    numerator, ce, correct = sum_logits(model, batch.layout, terms, batch.weights, batch.targets, batch.weights > 0)
     return _sft_output(ce, correct, batch, numerator)
