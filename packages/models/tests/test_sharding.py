@@ -101,3 +101,17 @@ def test_under_fsdp_the_weights_are_gathered_not_the_activations(layouts, vocab)
             if dims in ((b * t, config.d_model), (b, t, config.d_model), (b, t)):  # and the loss's mask
                 continue
         assert b * t not in dims and dims[:2] != (b, t), f"activations gathered: {dims}"
+
+
+def test_zeros_placed_like_keeps_the_placement_and_is_plus_zero():
+    """An accumulator made inside a program comes out split like the array it accumulates for (a
+    constant's would be the partitioner's choice), float32, and +0 everywhere, where the array holds a
+    NaN or an infinity too."""
+    from bd_models import zeros_placed_like
+
+    mesh = make_mesh(1, 2, 4)
+    x = jnp.arange(8 * 12, dtype=jnp.bfloat16).reshape(8, 12).at[0, 0].set(jnp.nan).at[1, 1].set(-jnp.inf)
+    x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp", "model")))
+    zeros = jax.jit(zeros_placed_like)(x)
+    assert zeros.sharding.is_equivalent_to(x.sharding, 2) and zeros.dtype == jnp.float32
+    assert not np.any(np.signbit(np.asarray(zeros))) and not np.any(np.asarray(zeros))

@@ -74,6 +74,7 @@ from ._sharding import param_partition_specs as param_partition_specs
 from ._sharding import shard_batch as shard_batch
 from ._sharding import shard_model as shard_model
 from ._sharding import to_host as to_host
+from ._sharding import zeros_placed_like as zeros_placed_like
 from ._unroll import unroll_layers as unroll_layers
 
 __version__ = "0.1.0"

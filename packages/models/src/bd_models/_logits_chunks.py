@@ -27,6 +27,7 @@ from jax.custom_derivatives import SymbolicZero
 from bd_core import ViewLayout
 
 from ._model import head_logits
+from ._sharding import zeros_placed_like
 from ._unroll import unrolled
 
 
@@ -132,7 +133,7 @@ def _fused_sum(fn: Callable[..., tuple[Any, Any]], head: Callable[..., Any], chu
         # Every position's dh is written once, so the buffer may start as any array of h's shape:
         # h itself gives it h's placement (a constant would be held whole on every device), and
         # the same for the head's float32 sum.
-        carry = (jnp.zeros((), jnp.float32), h if 0 in wrt else None, _zeros_placed_like(weight) if 1 in wrt else None)
+        carry = (jnp.zeros((), jnp.float32), h if 0 in wrt else None, zeros_placed_like(weight) if 1 in wrt else None)
         carry, out = lax.scan(lambda c, i: run(i * chunk, chunk, c), carry, jnp.arange(count, dtype=jnp.int32),
                               unroll=unrolled())
         out = jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape((y.shape[1], count * chunk) + y.shape[3:]), out)
@@ -162,10 +163,3 @@ def _fused_sum(fn: Callable[..., tuple[Any, Any]], head: Callable[..., Any], chu
 
     fused.defvjp(fused_fwd, fused_bwd, symbolic_zeros=True)
     return fused
-
-
-def _zeros_placed_like(x: jax.Array) -> jax.Array:
-    """Float32 zeros shaped like `x` and, inside a program, placed like it (derived from `x`
-    elementwise: a constant has no operand to take a placement from)."""
-    x = x.astype(jnp.float32)
-    return jnp.where(jnp.isfinite(x), jnp.abs(x * 0.0), jnp.zeros((), jnp.float32))

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental.layout import Format, Layout
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -215,3 +216,13 @@ def to_host(tree):
         return np.asarray(x)
 
     return jax.tree.map(get, tree)
+
+
+def zeros_placed_like(x: jax.Array) -> jax.Array:
+    """Float32 zeros (+0 exactly) shaped like `x` and, inside a program, placed like it: an
+    accumulator for `x`'s gradient. A constant (`jnp.zeros`) has no operand to take a placement from,
+    so XLA's partitioner keeps it whole on every device, and an FSDP accumulator would come back
+    from each update replicated (the model's size in float32 per device). Derived from `x`
+    elementwise (a NaN or infinity of `x` included), it is split as `x` is."""
+    x = jnp.asarray(x, jnp.float32)
+    return jnp.where(jnp.isfinite(x), jnp.abs(x * 0.0), jnp.zeros((), jnp.float32))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bd_core import LossOutput, MaxMetric, MetricError, Unsplit, WeightedMetric, as_loss_output, reduce_metrics
+from bd_models import zeros_placed_like
 
 LossFn = Callable[[Any, Any, jax.Array], Any]
 
@@ -51,7 +52,7 @@ class Accumulated(eqx.Module):
     def emptied(self) -> Accumulated:
         """Zero sums of the same structure (the accumulator after an update)."""
         zero = jnp.zeros((), jnp.float32)
-        return Accumulated(jax.tree_util.tree_map(_zeros_sharded_like, self.grads),
+        return Accumulated(jax.tree_util.tree_map(zeros_placed_like, self.grads),
                            dataclasses.replace(self.loss, numerator=zero, denominator=zero), jnp.zeros((), jnp.int32),
                            None if self.aux is None else _aux_zeros(self.aux))
 
@@ -235,16 +236,7 @@ def microbatch_key(key: jax.Array, update_step: jax.Array | int, index: jax.Arra
 
 
 def zeros_like_grads(params: Any) -> Any:
-    return jax.tree_util.tree_map(_zeros_sharded_like, params)
-
-
-def _zeros_sharded_like(x: Any) -> Any:
-    """Float32 zeros (+0 exactly) shaped like `x` and, inside a program, laid out like it. A
-    constant (`jnp.zeros`) has no operand to take a sharding from, so XLA's partitioner keeps it
-    whole on every device: an FSDP accumulator would return from each update replicated (measured:
-    the model's size in float32 per device). Derived from `x` elementwise, it is split as `x` is."""
-    x = jnp.asarray(x, jnp.float32)
-    return jnp.where(jnp.isfinite(x), jnp.abs(x * 0.0), jnp.zeros((), jnp.float32))
+    return jax.tree_util.tree_map(zeros_placed_like, params)
 
 
 def accumulate(loss_fn: LossFn, params: Any, static: Any, microbatches: Any, *, key: jax.Array,
