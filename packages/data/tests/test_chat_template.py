@@ -171,3 +171,23 @@ def test_jsonl_lengths_count_the_rendered_prompt(tmp_path):
     failing = ChatTemplate("{{ raise_exception('refused') }}", where="t.jinja")
     with pytest.raises(JsonlError, match=r"d\.jsonl:1: t\.jinja: rendering the prompt '2\+2=' failed: refused"):
         load_jsonl(path, tokenizer=tok, canvas=canvas, chat_template=failing)
+
+
+def test_the_tokenizer_config_is_read_once_for_tokens_and_templates(tmp_path):
+    """One reader of tokenizer_config.json serves the stages' special tokens and the chat template:
+    a token as a string or as an object with `content`, nothing where the file is absent, and a
+    broken file refused naming it (as a tokenizer error, and as a chat template error where a
+    template is read from it)."""
+    from bd_data import TokenizerError, special_tokens, tokenizer_config
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "mask_token": {"content": "<|mask|>", "special": True}, "pad_token": None}))
+    assert special_tokens(tokenizer_config(tmp_path)) == {"eos_token": "<|im_end|>", "mask_token": "<|mask|>"}
+    assert tokenizer_config(tmp_path / "absent") == {}
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer_config.json").write_text('{"eos_token": ')
+    with pytest.raises(TokenizerError, match=r"broken/tokenizer_config\.json: not valid JSON .*restore it"):
+        tokenizer_config(broken)
+    with pytest.raises(ChatTemplateError, match=r"broken/tokenizer_config\.json: not valid JSON"):
+        ChatTemplate.from_tokenizer(broken)

@@ -87,6 +87,11 @@ def test_bad_pretrained_folders_fail_on_load_naming_the_key(tmp_path):
     (folder / "config.json").write_text(json.dumps({**read_hf_config(folder), "model_type": "mixtral"}))
     with pytest.raises(ConfigError, match=r"teacher.pretrained: .*model_type 'mixtral' is not supported"):
         parse_pipeline_config(_preset(folder, folder))
+    broken = tmp_path / "broken"
+    shutil.copytree(FIXTURES / "sdar", broken)
+    (broken / "tokenizer_config.json").write_text('{"mask_token": ')
+    with pytest.raises(StageError, match=r"broken/tokenizer_config\.json: not valid JSON .*\[tokenizer\] mask_token"):
+        check_adopted(parse_pipeline_config(_preset(broken, broken)))
 
 
 def test_a_hugging_face_folder_is_evaluated_with_a_preset(tmp_path):

@@ -57,5 +57,7 @@ from ._tokenizer import ByteTokenizer as ByteTokenizer
 from ._tokenizer import HFTokenizer as HFTokenizer
 from ._tokenizer import Tokenizer as Tokenizer
 from ._tokenizer import TokenizerError as TokenizerError
+from ._tokenizer import special_tokens as special_tokens
+from ._tokenizer import tokenizer_config as tokenizer_config
 
 __version__ = "0.1.0"

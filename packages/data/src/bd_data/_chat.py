@@ -18,11 +18,9 @@ import numpy as np
 
 from ._canvas import CanvasOverflow
 from ._example import Example
+from ._tokenizer import CONFIG_FILE, TokenizerError, special_tokens, tokenizer_config
 
 TEMPLATE_FILE = "chat_template.jinja"  # newer checkpoints keep the template beside the tokenizer, not in its config
-CONFIG_FILE = "tokenizer_config.json"
-# The named special tokens a template sees as variables (transformers' `special_tokens_map`).
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class ChatTemplateError(ValueError):
@@ -56,26 +54,11 @@ def _compiled(source: str):
     return _environment().from_string(source)
 
 
-def _special_tokens(config: dict) -> dict[str, str]:
-    """The named special tokens of a tokenizer_config.json (a string, or an object with `content`)."""
-    named = {}
-    for name in SPECIAL_TOKEN_NAMES:
-        value = config.get(name)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            named[name] = value
-    return named
-
-
 def _read_config(folder: Path) -> dict:
-    file = folder / CONFIG_FILE
-    if not file.is_file():
-        return {}
     try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ChatTemplateError(f"{file}: not valid JSON ({err})") from None
-    return config if isinstance(config, dict) else {}
+        return tokenizer_config(folder)
+    except TokenizerError as err:
+        raise ChatTemplateError(str(err)) from None
 
 
 def _fences(text: str) -> tuple[str, str]:
@@ -115,7 +98,7 @@ class ChatTemplate:
         except UnicodeDecodeError:
             raise ChatTemplateError(f"chat template file {str(path)!r} is not UTF-8 text") from None
         config = _read_config(Path(tokenizer_folder)) if tokenizer_folder is not None else {}
-        return cls(source, tuple(_special_tokens(config).items()), str(path))
+        return cls(source, tuple(special_tokens(config).items()), str(path))
 
     @classmethod
     def from_tokenizer(cls, folder: str | Path) -> ChatTemplate:
@@ -124,7 +107,7 @@ class ChatTemplate:
         named templates of which `default` is used)."""
         folder = Path(folder)
         config = _read_config(folder)
-        variables = tuple(_special_tokens(config).items())
+        variables = tuple(special_tokens(config).items())
         if (folder / TEMPLATE_FILE).is_file():
             return cls.from_file(folder / TEMPLATE_FILE, tokenizer_folder=folder)
         template = config.get("chat_template")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -18,6 +19,35 @@ from bd_core import is_repo_id, resolve_pretrained
 
 class TokenizerError(ValueError):
     """A tokenizer that cannot be loaded or lacks a special token the canvas needs."""
+
+
+CONFIG_FILE = "tokenizer_config.json"
+# The named special tokens of a tokenizer_config.json (transformers' `special_tokens_map`).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def tokenizer_config(folder: str | Path) -> dict:
+    """`folder`'s tokenizer_config.json as a dict; empty where the folder has none."""
+    file = Path(folder) / CONFIG_FILE
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise TokenizerError(f"{file}: not valid JSON ({err}); restore it from the checkpoint, or delete it") from None
+    return config if isinstance(config, dict) else {}
+
+
+def special_tokens(config: dict) -> dict[str, str]:
+    """The special tokens a tokenizer_config.json (`tokenizer_config`) names, by their names there
+    (`mask_token`, `eos_token`, ...): each a string, or an object with `content`."""
+    named = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            named[name] = value
+    return named
 
 
 @runtime_checkable

@@ -23,11 +23,14 @@ from bd_data import (
     ChatTemplate,
     Example,
     HFTokenizer,
+    TokenizerError,
     get_task,
     iterate,
     load_jsonl,
     prompt_dataset,
     sft_dataset,
+    special_tokens,
+    tokenizer_config,
 )
 from bd_models import (
     BlockDiffusionLM,
@@ -152,7 +155,11 @@ class Run:
         path = self.config.tokenizer_file
         if path is None:
             return ByteTokenizer()
-        named = _special_tokens(Path(path).parent / "tokenizer_config.json")
+        try:
+            named = special_tokens(tokenizer_config(Path(path).parent))
+        except TokenizerError as err:
+            raise StageError(f"{err} (the tokens then default to <|mask|> and <|endoftext|>, or set [tokenizer] "
+                             f"mask_token / eos_token)") from None
         return HFTokenizer(path, mask_token=section.mask_token or named.get("mask_token", "<|mask|>"),
                            eos_token=section.eos_token or named.get("eos_token", "<|endoftext|>"),
                            add_mask_token=section.add_mask_token)
@@ -444,25 +451,6 @@ class Run:
                              f"was {pinned.fields['base_digest'][:12]}, but that base now reads {digest[:12]}: "
                              f"adapters.base_digest differs. Restore the base it was trained on, or rerun the stage")
         return add_lora(base, LoRAConfig.from_dict(pinned.fields["lora"]), key=jax.random.key(0))
-
-
-def _special_tokens(file: Path) -> dict[str, str]:
-    """`mask_token` / `eos_token` as a tokenizer_config.json names them (a string, or an object
-    with `content`); empty when the file is absent."""
-    if not file.is_file():
-        return {}
-    try:
-        raw = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise StageError(f"{file}: not valid JSON ({err}); restore it or delete it (the tokens then default "
-                         f"to <|mask|> and <|endoftext|>, or set [tokenizer] mask_token / eos_token)") from None
-    named = {}
-    for key in ("mask_token", "eos_token"):
-        value = raw.get(key)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            named[key] = value
-    return named
 
 
 def open_checkpoints(directory: str | Path, *, create: bool, max_to_keep: int | None = 2,
