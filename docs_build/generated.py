@@ -54,8 +54,13 @@ def _type_name(tp) -> str:
     return re.sub(r"<class '([^']+)'>", r"\1", text).replace("NoneType", "None")
 
 
-def _default(field: dataclasses.Field) -> str:
-    if field.default is not dataclasses.MISSING:
+def _default(field: dataclasses.Field, table=None) -> str:
+    """What a preset gets for `field` when it leaves the key out: its value in the table's own
+    default (`table`: the table as the preset gets it when the whole table is left out), else the
+    field's default."""
+    if table is not None:
+        value = getattr(table, field.name)
+    elif field.default is not dataclasses.MISSING:
         value = field.default
     elif field.default_factory is not dataclasses.MISSING:
         value = field.default_factory()
@@ -77,32 +82,37 @@ def _inner_dataclass(tp):
 
 
 def preset_sections():
-    """`(table path, config class, what the table is for)` for every table of a preset, nested
-    tables after their parent; the purpose is the parent's description of the field."""
+    """`(table path, config class, what the table is for, its default)` for every table of a
+    preset, nested tables after their parent; the purpose is the parent's description of the field,
+    and the default the table as a preset that leaves it out gets (None for a table that is off
+    unless given, such as `lora`: its keys then default to the class's)."""
     from bd_train.stages import PipelineConfig
 
     out = []
 
-    def walk(prefix: str, cls, purpose: str) -> None:
-        out.append((prefix, cls, purpose))
+    def walk(prefix: str, cls, purpose: str, table) -> None:
+        out.append((prefix, cls, purpose, table))
         hints = typing.get_type_hints(cls)
         described = field_descriptions(cls)
         for field in dataclasses.fields(cls):
             inner = _inner_dataclass(hints[field.name])
             if inner is not None:
-                walk(f"{prefix}.{field.name}", inner, described.get(field.name, ""))
+                value = getattr(table, field.name) if table is not None else None
+                walk(f"{prefix}.{field.name}", inner, described.get(field.name, ""),
+                     value if isinstance(value, inner) else None)
 
     hints = typing.get_type_hints(PipelineConfig)
     described = field_descriptions(PipelineConfig)
+    defaults = PipelineConfig()
     for field in dataclasses.fields(PipelineConfig):
-        walk(field.name, hints[field.name], described.get(field.name, ""))
+        walk(field.name, hints[field.name], described.get(field.name, ""), getattr(defaults, field.name))
     return out
 
 
 def undocumented_keys() -> list[str]:
     """Every preset key whose config class gives it no description (a test keeps this empty)."""
     missing = []
-    for prefix, cls, _ in preset_sections():
+    for prefix, cls, _, _ in preset_sections():
         described = field_descriptions(cls)
         missing += [f"[{prefix}] {f.name}" for f in dataclasses.fields(cls) if not described.get(f.name, "").strip()]
     return missing
@@ -110,7 +120,7 @@ def undocumented_keys() -> list[str]:
 
 def preset_tables() -> str:
     lines = []
-    for prefix, cls, purpose in preset_sections():
+    for prefix, cls, purpose, table in preset_sections():
         hints = typing.get_type_hints(cls)
         described = field_descriptions(cls)
         lines += [f"## `[{prefix}]`", ""]
@@ -121,8 +131,8 @@ def preset_tables() -> str:
             lines += [summary, ""]
         lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
         for field in dataclasses.fields(cls):
-            meaning = described.get(field.name, "")
-            lines.append(f"| `{field.name}` | `{_type_name(hints[field.name])}` | {_default(field)} | {meaning} |")
+            kind, meaning = _type_name(hints[field.name]), described.get(field.name, "")
+            lines.append(f"| `{field.name}` | `{kind}` | {_default(field, table)} | {meaning} |")
         lines.append("")
     return "\n".join(lines)
 

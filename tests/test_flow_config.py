@@ -96,6 +96,21 @@ def test_config_errors_name_the_key(text, message):
     assert message in str(err.value)
 
 
+def test_a_table_given_in_part_keeps_the_rest_of_its_own_default():
+    """A key a table leaves out takes the value it has when the whole table is left out (the
+    enclosing section's default), not its class's: setting one key never changes another."""
+    whole = pipeline_config(parse_pipeline_config(""))
+    assert (whole.grpo.optim.warmup_steps, whole.eval.sampler.temperature, whole.teacher.n_layers) == (0, 0.0, 3)
+    config = pipeline_config(parse_pipeline_config(
+        "[grpo.optim]\nlr = 1e-4\n[eval.sampler]\nthreshold = 0.7\n[teacher]\nremat = 'full'\n"
+        "[opd]\noptim = { b2 = 0.95 }\n"))
+    assert config.grpo.optim == dataclasses.replace(whole.grpo.optim, lr=1e-4)
+    assert config.eval.sampler == dataclasses.replace(whole.eval.sampler, threshold=0.7)  # still greedy
+    assert config.teacher == dataclasses.replace(whole.teacher, remat="full")
+    assert config.opd.optim == dataclasses.replace(whole.opd.optim, b2=0.95)
+    assert config.sft == whole.sft and config.student == whole.student
+
+
 def test_adam_eps_reaches_the_optimizer():
     config = pipeline_config(parse_pipeline_config("[grpo.optim]\neps = 1e-3\nlr = 1e-4\n"))
     grpo, sft = Run.optimizer_config(config.grpo.optim, 10), Run.optimizer_config(config.sft.optim, 10)

@@ -88,6 +88,7 @@ class PipelineConfig:
         sft: supervised masked-diffusion fine-tuning of both roles.
         opd: on-policy distillation of the teacher into the student.
         grpo: GRPO on the task's reward.
+        rft: rejection-sampling fine-tuning, GRPO's control: SFT on the student's own rewarded rollouts.
         eval: the held-out evaluation each stage ends with.
         run: seeds, folders, checkpoints, logging and the progress watchdog.
         mesh: the device mesh and the number of nodes."""

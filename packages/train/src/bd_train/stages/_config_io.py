@@ -20,18 +20,18 @@ def _origin(tp: Any) -> Any:
     return typing.get_origin(tp) or tp
 
 
-def _check_type(value: Any, tp: Any, where: str) -> Any:
+def _check_type(value: Any, tp: Any, where: str, base: Any = None) -> Any:
     if tp is Any:
         return value
     origin = _origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is not None and len(options) == 1:  # an optional setting that is given: its own error
-            return _check_type(value, options[0], where)
+            return _check_type(value, options[0], where, base)
         errors = []
         for option in typing.get_args(tp):
             try:
-                return _check_type(value, option, where)
+                return _check_type(value, option, where, base)
             except ConfigError as err:
                 errors.append(str(err))
         names = " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(tp))
@@ -47,7 +47,7 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a table of settings, got {value!r}")
-        return build(tp, value, where)
+        return build(tp, value, where, base=base if isinstance(base, tp) else None)
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
@@ -70,8 +70,13 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-def build(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
-    """Construct dataclass `cls` from `data`, rejecting unknown keys and wrong types by name."""
+def build(cls: type, data: Mapping[str, Any], where: str = "", *, base: Any = None) -> Any:
+    """Construct dataclass `cls` from `data`, rejecting unknown keys and wrong types by name.
+
+    A key `data` leaves out takes its value from `base` (a `cls` instance) where one is given, else
+    the field's default. A table given in part is built on the value the table has when it is left
+    out: `[grpo.optim] lr = 1e-4` keeps GRPO's own warm-up and schedule (`GRPOSection`'s default
+    `optim`), not `OptimSection`'s."""
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
     prefix = f"{where}." if where else ""
@@ -81,7 +86,15 @@ def build(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
             f"{prefix}{unknown[0]}: unknown key{'s ' + str(unknown) if len(unknown) > 1 else ''}; "
             f"valid keys for [{where or 'top level'}] are {sorted(fields)}"
         )
-    kwargs = {name: _check_type(value, hints[name], f"{prefix}{name}") for name, value in data.items()}
+    def default(name: str) -> Any:  # what the field is when the table leaves it out
+        if base is not None:
+            return getattr(base, name)
+        f = fields[name]
+        return None if f.default is dataclasses.MISSING else f.default
+
+    kwargs = {name: _check_type(value, hints[name], f"{prefix}{name}", default(name)) for name, value in data.items()}
+    if base is not None:
+        kwargs = {name: getattr(base, name) for name in fields} | kwargs
     missing = [name for name, f in fields.items() if name not in kwargs
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:

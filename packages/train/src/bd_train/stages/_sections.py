@@ -67,8 +67,8 @@ class TaskSection:
     eval_jsonl: str | None = None
     overlong: Literal["error", "truncate", "skip"] = "error"
     # Render every prompt (SFT, OPD, GRPO, evaluation) as a user turn through a chat template:
-    # true = the tokenizer's own (the `chat_template` of the tokenizer_config.json beside its
-    # tokenizer.json, or a chat_template.jinja file there), or the path of a Jinja template file.
+    # true = the tokenizer's own (a chat_template.jinja file beside its tokenizer.json if there is
+    # one, else the `chat_template` of the tokenizer_config.json there), or the path of a Jinja file.
     # The template's markup becomes special tokens; the prompt stays text. Its text is pinned in
     # the stages' checkpoints (training.chat_template).
     chat_template: bool | str = False
