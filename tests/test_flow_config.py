@@ -88,6 +88,19 @@ def test_the_studys_rft_arm_samples_as_its_grpo_arm(tmp_path):
         ("[rft]\nmin_reward = 1.5\n", "rft.min_reward: expected a reward in [0, 1], got 1.5"),
         ("[rft]\nprompts_per_step = 3\nmicrobatches = 2\ngroup_size = 1\n", "rft.microbatches: 2 does not divide"),
         ("[eval]\nsamples = 0\nbest_of = ['vote']\n", "eval.best_of: expected no rules while samples = 0"),
+        # refused when the preset loads, not when the stage that reads them starts after others trained
+        ("[grpo]\nsampler = { top_p = 1.5 }\n", "grpo.sampler.top_p: expected a number in (0, 1]"),
+        ("[eval.sampler]\ntemperature = -1.0\n", "eval.sampler.temperature: expected a finite number >= 0"),
+        ("[opd.sampler]\nstrategy = 'steps'\nsteps_per_block = 0\n",
+         "opd.sampler.steps_per_block: expected an int >= 1"),
+        ("[grpo]\nepsilon_low = 1.5\n", "grpo.epsilon_low: expected a value in [0, 1), got 1.5"),
+        ("[mesh]\ndata = 3\n", "sft.batch_size: batch_size = 128 in 1 microbatch(es) gives 128 rows per microbatch, "
+                              "which the mesh's data x fsdp = 3 devices must divide"),
+        ("[run]\nlog_every = 0\n", "run.log_every: expected an integer >= 1, got 0"),
+        ("[run]\nmax_to_keep = 0\n", "run.max_to_keep: expected an integer >= 1, got 0; max_to_keep = 0 would delete"),
+        ("[run]\nallow_changes = ['sft.optim.lr']\n", "run.allow_changes: expected a fingerprint field under one of"),
+        ("[run]\nallow_changes = ['training.grpo.optim.lrr']\n",
+         "run.allow_changes: 'training.grpo.optim.lrr': [grpo.optim] has no key 'lrr'"),
     ],
 )
 def test_config_errors_name_the_key(text, message):
@@ -260,3 +273,23 @@ def test_end_names_every_card_by_stage_and_role_with_its_task(flow_module):
         f"  grpo/student  {command} 17/grpo/12 grpo-student.html",
         f"  summary       {command} 17/end/14 summary.html",
     ]
+
+
+def test_a_run_folder_that_cannot_be_made_is_refused_by_key(tmp_path, capsys):
+    """`[run] output_dir` under a file, and a `--run-id` that is not one folder name, are refused
+    before anything runs, by name."""
+    from bd_train.stages import RunDir, StageError
+    from bd_train.stages.cli import main
+
+    (tmp_path / "a_file").write_text("")
+    config = parse_pipeline_config({"run": {"output_dir": str(tmp_path / "a_file" / "runs")}})
+    with pytest.raises(StageError, match=r"^run\.output_dir: cannot create .*a_file/runs/pipeline/x' \(Not a "
+                                         r"directory\); set \[run\] output_dir to a folder this process can write"):
+        RunDir.create(config, run_id="x")
+    preset = tmp_path / "p.toml"
+    preset.write_text(f"[run]\noutput_dir = '{tmp_path / 'runs'}'\n")
+    for run_id in ("", "../elsewhere", "a/b"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["run", str(preset), "--run-id", run_id])
+        assert exit_.value.code == 2 and f"--run-id {run_id!r}: a run id names one folder" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

@@ -37,8 +37,11 @@ def test_each_error_names_file_and_line(tmp_path, bad, message):
 def test_missing_and_empty_files(tmp_path):
     with pytest.raises(JsonlError, match=r"nope\.jsonl: no such file"):
         load_jsonl(tmp_path / "nope.jsonl")
-    with pytest.raises(JsonlError, match=r"empty\.jsonl: no usable records"):
+    with pytest.raises(JsonlError, match=r"empty\.jsonl: no records \(the file is empty or holds blank lines only\)"):
         load_jsonl(_write(tmp_path, b"\n\n", name="empty.jsonl"))
+    with pytest.raises(JsonlError, match=r"data: is a folder; pass the path of a JSONL file"):
+        (tmp_path / "data").mkdir()
+        load_jsonl(tmp_path / "data")
 
 
 def test_overlong_policies(tmp_path):

@@ -183,11 +183,30 @@ def test_damaged_files_are_refused_by_name_with_how_to_recover(tmp_path, damage)
         with pytest.raises(CheckpointCorrupted):
             checkpoints.restore_model(state.model)
     message = str(err.value)
-    assert f"checkpoint {tmp_path} step 0" in message and "Rerun the stage that wrote it" in message
+    assert f"checkpoint {tmp_path} step 0" in message and "No earlier step is kept: remove " in message
+    assert "rerun the stage that wrote it" in message
     assert len(message.splitlines()) == 1 and "slice(" not in message
     # a damaged B-tree (the item's index) is named as such; damaged array data by array and shard
     assert "its array metadata could not be read" in message or (
         "the content of model/" in message and "(shard " in message), message
+
+
+@pytest.mark.parametrize("lost", ["model/_METADATA", "model"])
+def test_an_item_whose_files_are_gone_is_damage_not_another_config(tmp_path, lost):
+    """The model's metadata, or its whole folder, removed after the save: the checkpoint recorded those
+    arrays, so it is damaged (not a model of another shape), and the message says how to go on."""
+    import shutil
+
+    state = _real_state(TINY)
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(state)
+    gone = tmp_path / "0" / lost
+    shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
+    with Checkpointer(tmp_path, create=False) as checkpoints:
+        for restore in (checkpoints.restore, checkpoints.restore_model):
+            with pytest.raises(CheckpointCorrupted, match=r"step 0: its 'model' arrays were saved but their files "
+                                                          r"\(.*0/model\) are missing or damaged\. No earlier step"):
+                restore(state if restore == checkpoints.restore else state.model)
 
 
 def test_content_that_differs_from_its_digest_is_named(tmp_path):

@@ -163,7 +163,8 @@ def test_a_resume_under_changed_training_settings_is_refused_by_field(run, tmp_p
     rate would silently mix two runs."""
     with pytest.raises(SimulatedFailure):
         _drive(run, fail_after=3)
-    with pytest.raises(StageError, match=r"training\.sft\.optim\.lr: saved 0\.003, current 0\.001"):
+    with pytest.raises(StageError, match=r"training\.sft\.optim\.lr: saved 0\.003, current 0\.001\n(.|\n)*add it to "
+                                         r"\[run\] allow_changes = \[\"training\.sft\.optim\.lr\"\]; to train anew"):
         _drive(_run(tmp_path, lr=1e-3))
 
 

@@ -68,4 +68,33 @@ def test_the_command_writes_json_and_a_plot_and_refuses_a_bad_folder_in_one_line
     missing = subprocess.run([sys.executable, "-m", "bd_train.evaluate", "--checkpoint", str(tmp_path / "nope")],
                              env=env, capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
-    assert f"checkpoint directory {tmp_path / 'nope'} does not exist" in missing.stderr
+    assert f"checkpoint folder {str(tmp_path / 'nope')!r} does not exist; give a stage's checkpoint" in missing.stderr
+
+
+def test_an_output_path_that_cannot_hold_the_results_is_refused_before_the_work(tmp_path, capsys):
+    """`--out` (evaluate) and `--json` (plan) are checked before minutes of decoding or compiling:
+    a plot path that would overwrite the JSON, and a folder that does not exist."""
+    from bd_train.evaluate import main as evaluate
+    from bd_train.plan import main as plan
+
+    for out, message in ((tmp_path / "r.png", "the plot is written beside the JSON with the suffix .png"),
+                         (tmp_path / "nope" / "r.json", f"the folder {str(tmp_path / 'nope')!r} does not exist")):
+        with pytest.raises(SystemExit) as exit_:
+            evaluate(["--checkpoint", str(tmp_path), "--out", str(out)])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        plan(["preset.toml", "--topology", "v5e:2x2", "--json", str(tmp_path / "nope" / "plan.json")])
+    assert exit_.value.code == 2 and "does not exist; create it first" in capsys.readouterr().err
+
+
+def test_a_step_folder_or_a_missing_path_is_refused_naming_what_to_give(checkpoint, tmp_path):
+    from bd_train.evaluate import load
+    from bd_train.stages import StageError
+
+    step = next(p for p in Path(checkpoint).iterdir() if p.name.isdigit())
+    with pytest.raises(StageError, match=rf"{str(step)!r} is one step of the checkpoint folder {checkpoint!r}; "
+                                         r"give that folder"):
+        load(step)
+    missing = str(tmp_path.name) + "/nope"  # an org/name shape: not a local folder, and no --config for a Hub id
+    with pytest.raises(StageError, match=r"/nope: no such folder here; read as a Hub repo id it records no task"):
+        load(missing)

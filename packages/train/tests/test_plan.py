@@ -340,3 +340,25 @@ def test_row_major_teacher_logits_spare_the_train_step_a_copy_of_them():
     assert probe["default"]["layout"] != [0, 1, 2]
     assert probe["row_major"]["layout"] == [0, 1, 2]
     assert probe["row_major"]["temp"] <= probe["default"]["temp"] - probe["shard_bytes"]
+
+
+def test_a_program_is_compiled_once_however_often_it_is_submitted():
+    """The plan's compiler threads: the same StableHLO submitted again (by another stage, or while it
+    compiles) shares one compile; a compile cancelled before it started is started again when asked
+    for; another program gets its own. CPU programs stand in for the TPU's."""
+    import concurrent.futures
+
+    from bd_train._plan_compile import figures, submit
+
+    x = jax.ShapeDtypeStruct((64, 64), np.float32)
+    square = jax.jit(lambda a: a @ a).lower(x)
+    memo: dict = {}
+    first = submit(square, memo)
+    assert submit(jax.jit(lambda b: b @ b).lower(x), memo) is first and len(memo) == 1
+    assert figures(square, memo).memory[0] == 64 * 64 * 4  # the argument's bytes
+    cancelled: concurrent.futures.Future = concurrent.futures.Future()
+    cancelled.cancel()
+    memo[next(iter(memo))] = cancelled
+    again = submit(square, memo)
+    assert again is not cancelled and again.result().memory == first.result().memory
+    assert submit(jax.jit(lambda a: a + 1).lower(x), memo) is not again and len(memo) == 2

@@ -87,6 +87,19 @@ def test_bad_pretrained_folders_fail_on_load_naming_the_key(tmp_path):
     (folder / "config.json").write_text(json.dumps({**read_hf_config(folder), "model_type": "mixtral"}))
     with pytest.raises(ConfigError, match=r"teacher.pretrained: .*model_type 'mixtral' is not supported"):
         parse_pipeline_config(_preset(folder, folder))
+    missing = tmp_path / "missing_shard"  # the weights are checked before anything trains: no role's SFT runs first
+    shutil.copytree(FIXTURES / "sdar", missing)
+    (missing / "model-00003-of-00004.safetensors").unlink()
+    with pytest.raises(StageError, match=r"^student\.pretrained: shard .*model-00003-of-00004\.safetensors' named in "
+                                         r"model\.safetensors\.index\.json is missing"):
+        check_adopted(parse_pipeline_config(_preset(FIXTURES / "sdar", missing)))
+    cut = tmp_path / "cut"
+    shutil.copytree(FIXTURES / "sdar", cut)
+    shard = cut / "model-00002-of-00004.safetensors"
+    shard.write_bytes(shard.read_bytes()[:2000])
+    with pytest.raises(StageError, match=r"^teacher\.pretrained: .*model-00002-of-00004\.safetensors' is not a "
+                                         r"readable safetensors file"):
+        check_adopted(parse_pipeline_config(_preset(cut, FIXTURES / "sdar")))
     broken = tmp_path / "broken"
     shutil.copytree(FIXTURES / "sdar", broken)
     (broken / "tokenizer_config.json").write_text('{"mask_token": ')

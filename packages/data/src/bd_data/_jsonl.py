@@ -99,6 +99,8 @@ def _record(path: Path, number: int, raw: bytes, fields: tuple[str, ...]) -> tup
 
 def read_records(path: Path, fields: tuple[str, ...] = FIELDS) -> Iterator[tuple[int, tuple[str, ...]]]:
     """(line number, the string `fields`) of each non-blank line; errors name the file and line."""
+    if path.is_dir():
+        raise JsonlError(f"{path}: is a folder; pass the path of a JSONL file with {list(fields)} per line")
     if not path.is_file():
         raise JsonlError(f"{path}: no such file; pass the path of a JSONL file with {list(fields)} per line")
     with path.open("rb") as handle:
@@ -144,7 +146,8 @@ def load_jsonl(path: str | Path, *, tokenizer: Tokenizer | None = None, canvas: 
             try:
                 fitted = _fit(prompt, completion, tokenizer, canvas, overlong, chat_template)
             except CanvasOverflow as err:
-                raise JsonlError(f"{path}:{number}: {err}; or load with overlong='truncate' or 'skip'") from None
+                raise JsonlError(f"{path}:{number}: {err}; or load with overlong='truncate' or 'skip' (in a preset: "
+                                 f"[canvas] prompt_len / max_new_tokens, or [task] overlong)") from None
             except ChatTemplateError as err:
                 raise JsonlError(f"{path}:{number}: {err}") from None
             if fitted is None:
@@ -155,6 +158,9 @@ def load_jsonl(path: str | Path, *, tokenizer: Tokenizer | None = None, canvas: 
                 truncated.append(number)
         examples.append(Example(prompt, completion, len(examples), prompt_ids, answer_ids))
         lines.append(number)
+    if not examples and not skipped:
+        raise JsonlError(f"{path}: no records (the file is empty or holds blank lines only); it needs at least one "
+                         f"JSON object per line")
     if not examples:
         raise JsonlError(
             f"{path}: no usable records ({len(skipped)} skipped as over-long); the file needs at least one")

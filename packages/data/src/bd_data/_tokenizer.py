@@ -188,7 +188,8 @@ class HFTokenizer:
         token_id = self._tok.token_to_id(token)
         if token_id is None:
             raise TokenizerError(
-                f"tokenizer file {str(path)!r} has no {field} {token!r}; pass {field}= with a token it has"
+                f"tokenizer file {str(path)!r} has no {field} {token!r}; pass {field}= ([tokenizer] {field} in a "
+                f"preset) with a token it has"
                 + (", or add_mask_token=True ([tokenizer] add_mask_token = true) to add it as a new special token "
                    "(the model's embedding grows by one row)" if field == "mask_token" else "")
             )

@@ -12,6 +12,7 @@ is bit-exact.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -240,6 +241,49 @@ def _mean_row(tensors: _Tensors, name: str, rows: int) -> Callable[[], np.ndarra
     return get
 
 
+@dataclasses.dataclass(frozen=True)
+class _Opened:
+    """A checkpoint folder read up to its weights: the config, the tensors' headers (checked
+    against the config), the abstract model and the rows that hold trained tokens."""
+
+    config: ModelConfig
+    tensors: _Tensors
+    abstract: Any
+    leaves: dict[str, Any]
+    kept_rows: int
+
+
+def _open(path: str | Path, revision: str | None, block_size: int | None, vocab_size: int | None,
+          new_rows_from: int | None, param_dtype: str, compute_dtype: str | None, overrides: dict[str, Any]) -> _Opened:
+    path = resolve_pretrained(path, revision).folder
+    raw = read_hf_config(path)
+    where = str(path / "config.json")
+    file_vocab = int(raw.get("vocab_size", 0))
+    if vocab_size is not None and vocab_size < file_vocab:
+        raise PretrainedError(f"from_pretrained: vocab_size={vocab_size} is smaller than the checkpoint's "
+                              f"{file_vocab}; pass None (keep it) or a larger size (to add tokens)")
+    if new_rows_from is not None and not 0 < new_rows_from <= file_vocab:
+        raise PretrainedError(f"from_pretrained: new_rows_from={new_rows_from} must be in 1..{file_vocab} (the "
+                              f"checkpoint's rows); it is the first id of the added tokens")
+    config = model_config_from_hf(raw, where=where, block_size=block_size, vocab_size=vocab_size,
+                                  param_dtype=param_dtype, compute_dtype=compute_dtype, **overrides)
+    abstract = eqx.filter_eval_shape(lambda: BlockDiffusionLM(config, key=jax.random.key(0)))
+    leaves = {str(getattr(p[-1], "name", p[-1])): x for p, x in jax.tree_util.tree_leaves_with_path(abstract)}
+    tensors = _Tensors(path)
+    _check_tensors(tensors, config, leaves, file_vocab, path)
+    return _Opened(config, tensors, abstract, leaves, file_vocab if new_rows_from is None else new_rows_from)
+
+
+def check_pretrained(path: str | Path, *, revision: str | None = None, block_size: int | None = None,
+                     vocab_size: int | None = None, new_rows_from: int | None = None, param_dtype: str = "float32",
+                     compute_dtype: str | None = None, **overrides: Any) -> ModelConfig:
+    """What `from_pretrained` with the same arguments would build, checked without reading the
+    weights: the config, and every shard present with every tensor the model needs at its shape
+    (a missing, truncated or foreign shard is refused naming its file). Returns the `ModelConfig`.
+    Seconds for a released checkpoint: only the files' headers are read."""
+    return _open(path, revision, block_size, vocab_size, new_rows_from, param_dtype, compute_dtype, overrides).config
+
+
 def from_pretrained(path: str | Path, *, revision: str | None = None, block_size: int | None = None,
                     vocab_size: int | None = None,
                     new_rows_from: int | None = None, param_dtype: str = "float32", compute_dtype: str | None = None,
@@ -251,30 +295,16 @@ def from_pretrained(path: str | Path, *, revision: str | None = None, block_size
     `new_rows_from` (default: the file's vocabulary size) on are new tokens: they are set to the
     mean of the rows before them (an added mask token may fall inside a checkpoint's padded rows,
     as it does for Qwen3's 151,936 rows and 151,669 tokens). With `mesh` every parameter is built
-    in its shards. `overrides`: ModelConfig run-time fields (attention, q_tile, k_tile, remat)."""
-    path = resolve_pretrained(path, revision).folder
-    raw = read_hf_config(path)
-    where = str(path / "config.json")
-    file_vocab = int(raw.get("vocab_size", 0))
-    if vocab_size is not None and vocab_size < file_vocab:
-        raise PretrainedError(f"from_pretrained: vocab_size={vocab_size} is smaller than the checkpoint's "
-                              f"{file_vocab}; pass None (keep it) or a larger size (to add tokens)")
-    if new_rows_from is not None and not 0 < new_rows_from <= file_vocab:
-        raise PretrainedError(f"from_pretrained: new_rows_from={new_rows_from} must be in 1..{file_vocab} (the "
-                              f"checkpoint's rows); it is the first id of the added tokens")
-    kept_rows = file_vocab if new_rows_from is None else new_rows_from
-    config = model_config_from_hf(raw, where=where, block_size=block_size, vocab_size=vocab_size,
-                                  param_dtype=param_dtype, compute_dtype=compute_dtype, **overrides)
-    abstract = eqx.filter_eval_shape(lambda: BlockDiffusionLM(config, key=jax.random.key(0)))
+    in its shards. `overrides`: ModelConfig run-time fields (attention, q_tile, k_tile, remat).
+    `check_pretrained` checks the same without reading the weights."""
+    opened = _open(path, revision, block_size, vocab_size, new_rows_from, param_dtype, compute_dtype, overrides)
+    config, tensors, kept_rows = opened.config, opened.tensors, opened.kept_rows
     if mesh is not None:
         check_divisibility(config, mesh)
-    specs = param_partition_specs(abstract, mesh)
-    leaves = {str(getattr(p[-1], "name", p[-1])): x for p, x in jax.tree_util.tree_leaves_with_path(abstract)}
-    tensors = _Tensors(path)
-    _check_tensors(tensors, config, leaves, file_vocab, path)
+    specs = param_partition_specs(opened.abstract, mesh)
     means: dict[str, Callable[[], np.ndarray]] = {}
     for leaf in _VOCAB_ROWS:
-        if leaf in leaves:
+        if leaf in opened.leaves:
             means[leaf] = _mean_row(tensors, _TOP[leaf][0], kept_rows)
 
     def build(path_, shape_dtype, spec):
@@ -285,7 +315,7 @@ def from_pretrained(path: str | Path, *, revision: str | None = None, block_size
         return jax.make_array_from_callback(shape_dtype.shape, NamedSharding(mesh, spec),
                                             lambda index: read(tuple(index)))  # pyright: ignore[reportArgumentType]
 
-    arrays, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    arrays, static = eqx.partition(opened.abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     built = jax.tree_util.tree_map_with_path(build, arrays, specs)
     return eqx.combine(built, static)
 

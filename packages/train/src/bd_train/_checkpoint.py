@@ -244,7 +244,8 @@ class Checkpointer:
         if earlier:
             return (f"Restore an earlier step ({earlier}) after removing {os.path.join(self.directory, str(step))}, "
                     "or rerun the stage")
-        return "Rerun the stage that wrote it"
+        return (f"No earlier step is kept: remove {os.path.join(self.directory, str(step))} (or the whole "
+                f"{self.directory}) and rerun the stage that wrote it")
 
     def _verify(self, restored: Mapping[str, Any], step: int, meta: Mapping[str, Any]) -> None:
         """Refuse restored arrays whose content digest differs from the one recorded at save."""
@@ -367,11 +368,17 @@ class Checkpointer:
             raise CheckpointCorrupted(f"checkpoint {self.directory} step {step}: its array metadata could not be read "
                                       f"({type(err).__name__}); {self._recovery(step)}") from None
         differences = {}
+        recorded = self.read_meta(step).get("digests") or {}  # every array the step was saved with, by path
         for name, tree in items.items():
             item = metadata.get(name) if hasattr(metadata, "get") else metadata[name]
             if item is None and name in ("rng", "counters"):
                 raise CheckpointError(f"checkpoint {self.directory} step {step} has no {name!r} item; it is "
                                       "incomplete or was not written by bd_train")
+            if item is None and any(path.startswith(f"{name}/") for path in recorded):  # saved, now unreadable
+                raise CheckpointCorrupted(
+                    f"checkpoint {self.directory} step {step}: its {name!r} arrays were saved but their files "
+                    f"({os.path.join(self.directory, str(step), name)}) are missing or damaged. "
+                    f"{self._recovery(step)}")
             saved = {} if item is None else flat(item.tree, name)
             wanted = flat(tree, name)
             for path in sorted(set(saved) | set(wanted)):

@@ -5,8 +5,11 @@ counts a loop's body once however often the loop runs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
+import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -64,28 +67,49 @@ class Figures:
     refused: str | None = None
 
 
-def figures(lowered: Any, memo: dict[str, Figures] | None) -> Figures:
-    """Compile `lowered` once per plan: the same program (a stage's held-out decoding, a program a
-    remedy leaves unchanged) recurs across stages and retries, and is known by its StableHLO."""
-    key = hashlib.sha256(lowered.as_text().encode()).hexdigest() if memo is not None else ""
-    if memo is not None and key in memo:
-        return memo[key]
+# Compiles run on threads (JAX compiles outside the GIL): XLA's TPU compiler keeps about 1.5 of a
+# 2-core host's cores busy on one program, so two at once fill them. BDLM_PLAN_THREADS sets how many
+# (1: one at a time, the least memory: two of SDAR's programs at once need about 1.5x the peak).
+_WORKERS = max(1, int(os.environ.get("BDLM_PLAN_THREADS", "2")))
+_POOL = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix="plan-compile")
+_LOCK = threading.Lock()
+
+
+def _compile(lowered: Any) -> Figures:
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
-        figures = Figures((0, 0, 0, 0, 0), {}, str(err))
-    else:
-        m = compiled.memory_analysis()
-        figures = Figures((int(m.argument_size_in_bytes), int(m.output_size_in_bytes), int(m.alias_size_in_bytes),
-                            int(m.temp_size_in_bytes), int(m.generated_code_size_in_bytes)), cost_of(compiled))
-    if memo is not None:
-        memo[key] = figures
-    return figures
+        return Figures((0, 0, 0, 0, 0), {}, str(err))
+    m = compiled.memory_analysis()
+    return Figures((int(m.argument_size_in_bytes), int(m.output_size_in_bytes), int(m.alias_size_in_bytes),
+                    int(m.temp_size_in_bytes), int(m.generated_code_size_in_bytes)), cost_of(compiled))
 
 
-def twin_cost(twin: Twin, memo: dict[str, Figures] | None) -> dict[str, float]:
+def submit(lowered: Any, memo: dict[str, Any] | None) -> concurrent.futures.Future:
+    """Start compiling `lowered` (on one of `BDLM_PLAN_THREADS` threads, default 2) unless the same program, known by
+    its StableHLO, is compiled or compiling already; its `Figures` come from the future. Without
+    `memo` it compiles now, on this thread."""
+    if memo is None:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(_compile(lowered))
+        return done
+    key = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+    with _LOCK:
+        if key not in memo or memo[key].cancelled():
+            memo[key] = _POOL.submit(_compile, lowered)
+        return memo[key]
+
+
+def figures(lowered: Any, memo: dict[str, Any] | None) -> Figures:
+    """Compile `lowered` once per plan: the same program (a stage's held-out decoding, a program a
+    remedy leaves unchanged) recurs across stages and retries, and is known by its StableHLO
+    (`memo`: one per slice, of the futures `submit` started)."""
+    return submit(lowered, memo).result()
+
+
+def twin_cost(twin: Twin, memo: dict[str, Any] | None) -> dict[str, float]:
     """XLA's cost of one pass of the program `twin` stands for: its unrolled twin's, or extrapolated
     from the 2- and 3-layer twins. Empty where the analysis is; `optimal_seconds` -1 where the cost
     model gives no time for either twin."""

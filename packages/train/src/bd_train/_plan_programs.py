@@ -34,7 +34,7 @@ from ._accumulate import map_rows
 from ._grpo import GRPOBatch, distribution_score, make_grpo_loss
 from ._opd import OPDConfig, make_opd_loss, teacher_head
 from ._optim import make_optimizer
-from ._plan_compile import Figures, Twin, figures, twin, twin_cost
+from ._plan_compile import Twin, figures, twin, twin_cost
 from ._plan_shapes import bytes_per_chip, diffusion_batch, model_maker, place_batch, place_state, sds
 from ._replay import replay_capacity
 from ._sft import sft_objective
@@ -364,7 +364,7 @@ def _refused(program: _Program, message: str) -> ProgramPlan:
                        memory_from="logical", required=required)
 
 
-def compile_program(program: _Program, chip: Any, memo: dict[str, Figures] | None = None) -> ProgramPlan:
+def compile_program(program: _Program, chip: Any, memo: dict[str, Any] | None = None) -> ProgramPlan:
     """Compile for memory (the program as it runs) and for cost (`program.cost`: XLA counts a
     loop body once, so a program without an unrolled twin, a sampler's included, gets no FLOPs,
     bytes accessed or time: its own count would be one pass of its loops). The

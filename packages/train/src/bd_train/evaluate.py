@@ -32,12 +32,12 @@ from bd_core import ConfigError, Fingerprint, is_repo_id
 from bd_data import CanvasOverflow, JsonlError, TokenizerError
 from bd_models import ModelConfig
 
-from ._checkpoint import Checkpointer, CheckpointError
+from ._checkpoint import CheckpointError
 from .stages._config import parse_pipeline_config
 from .stages._evaluate import evaluate_report, pass_at_k
 from .stages._intervals import bootstrap_interval, wilson_interval
 from .stages._plots import accuracy_nfe_png
-from .stages._run import Run, StageError
+from .stages._run import Run, StageError, open_checkpoints
 
 __all__ = ["THRESHOLDS", "evaluate", "format_report", "load", "main", "pass_at_k"]
 
@@ -49,7 +49,11 @@ def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = Non
          config: str | None = None) -> tuple[Run, Any]:
     """The run config a checkpoint was trained with (optionally another task or eval size) and its
     model; for a Hugging Face folder or Hub repo id, the preset `config` (TOML text) with it as the student."""
-    if (Path(checkpoint) / "config.json").is_file() or is_repo_id(checkpoint):
+    hub = is_repo_id(checkpoint) and not Path(checkpoint).exists()
+    if (Path(checkpoint) / "config.json").is_file() or hub:
+        if config is None and hub:
+            raise StageError(f"{checkpoint}: no such folder here; read as a Hub repo id it records no task or canvas: "
+                             f"check the path, or pass --config <preset.toml> (e.g. flows/configs/pretrained.toml)")
         if config is None:
             raise StageError(f"{checkpoint} is a Hugging Face checkpoint folder, which records no task or canvas; "
                              f"pass --config <preset.toml> (e.g. flows/configs/pretrained.toml) to define them")
@@ -62,11 +66,11 @@ def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = Non
         data["student"] = data["teacher"] = {"pretrained": str(checkpoint)}
         run = Run(parse_pipeline_config(_overridden(data, task, n)))
         return run, run.pretrained_model("student")
-    try:
-        with Checkpointer(checkpoint, create=False) as checkpoints:
+    with open_checkpoints(checkpoint, create=False) as checkpoints:
+        try:
             meta = checkpoints.read_meta()
-    except CheckpointError as err:
-        raise StageError(str(err)) from None
+        except CheckpointError as err:
+            raise StageError(str(err)) from None
     if not meta.get("config") or "identity" not in meta.get("fingerprints", {}):
         raise StageError(f"checkpoint {checkpoint} holds no pipeline config or model identity; evaluate checkpoints "
                          "written by a bdlm stage (runs/pipeline/<run>/checkpoints/<stage>)")
@@ -150,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.samples < 1 or (args.n is not None and args.n < 1):
         parser.error("--samples and --n must be at least 1")
+    if args.out:  # checked now: the results come after the whole evaluation
+        out = Path(args.out)
+        if out.with_suffix(".png") == out:
+            parser.error(f"--out {args.out}: the plot is written beside the JSON with the suffix .png, so the two "
+                         f"would be one file; give a .json path")
+        if not out.parent.is_dir():
+            parser.error(f"--out {args.out}: the folder {str(out.parent)!r} does not exist; create it first")
     try:
         preset = None if args.config is None else Path(args.config).read_text()
     except OSError as err:

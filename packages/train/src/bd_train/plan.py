@@ -48,6 +48,7 @@ import numpy as np
 from bd_core import ConfigError
 from bd_models import MeshError
 
+from ._plan_compile import submit
 from ._plan_programs import COSTS, ProgramPlan, compile_program, stage_programs
 from ._plan_report import (
     LargestBatch,
@@ -117,7 +118,7 @@ def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topolo
                log: Callable[[str], None] = lambda _: None, *, cost: str = "all",
                memo: dict | None = None, approx_cost: bool = False, streamed: bool = False) -> StagePlan:
     """Compile `stage`'s programs for `topo` (and the unrolled cost twins `cost` names, of every
-    layer or with `approx_cost` of 2 and 3: `stage_programs`); `memo`
+    layer or with `approx_cost` of 2 and 3: `stage_programs`), two at a time on threads; `memo`
     (one per slice) carries programs compiled already, by their StableHLO, from stage to stage and
     remedy to remedy."""
     mesh = make_plan_mesh(mesh_shape, topo)
@@ -127,14 +128,24 @@ def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topolo
         start = time.perf_counter()
         lowered = stage_programs(run, stage, mesh, cost=cost, approx_cost=approx_cost, streamed=streamed)
         log(f"  lowered {stage}'s {len(lowered)} programs in {time.perf_counter() - start:.0f} s")
+        # Every program and cost twin starts compiling now, the twins (the longest) first, so that
+        # the compiler threads stay busy; the figures are read in the stage's order.
+        memo = {} if memo is None else memo
+        known = {id(future) for future in memo.values()}
+        started = [submit(twin, memo) for program in lowered if program.cost for twin in program.cost.lowered]
+        ours = [submit(program.lowered, memo) for program in lowered]
+        started += ours
+        start = time.perf_counter()
         for index, program in enumerate(lowered):
-            start, known = time.perf_counter(), len(memo) if memo is not None else -1
             programs.append(compile_program(program, topo.chip, memo))
-            if memo is not None and len(memo) == known:
+            if id(ours[index]) in known:
                 log(f"  {stage}: {program.program}: compiled before (the same StableHLO)")
             else:
-                log(f"  compiled {stage}: {program.program} in {time.perf_counter() - start:.0f} s")
+                log(f"  compiled {stage}: {program.program} ({time.perf_counter() - start:.0f} s into the stage's "
+                    f"compiles)")
             if programs[-1].refused and lowered[index + 1:]:  # the stage cannot fit: on to its remedies
+                for future in started:
+                    future.cancel()  # those not started yet
                 log(f"  {stage}: {', '.join(p.program for p in lowered[index + 1:])} not compiled: "
                     f"the {program.program} does not fit")
                 break
@@ -389,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
                              "and cost its train step there (unless --cost none)")
     parser.add_argument("--json", default=None, help="also write the plan as JSON here")
     args = parser.parse_args(argv)
+    if args.num_slices < 1:
+        parser.error(f"--num-slices {args.num_slices}: a plan is of one slice or more")
+    if args.json and not Path(args.json).parent.is_dir():  # checked now: the plan takes minutes
+        parser.error(f"--json {args.json}: the folder {str(Path(args.json).parent)!r} does not exist; create it first")
     path = Path(args.preset)
     try:
         data = tomllib.loads(path.read_text())

@@ -44,7 +44,11 @@ def check_adopted(config: Any) -> None:
     run = Run(config)
     try:
         _ = run.tokenizer  # loads and checks the special tokens
+        _ = run.task  # builds the built-in task with its params
         sizes = {role: run.model_config(role).vocab_size for role in ROLES if not getattr(run.config, role).checkpoint}
+        for role in sizes:  # every shard there and readable, now rather than when the role's SFT starts
+            if getattr(run.config, role).folder:
+                run.check_pretrained(role)
         if run.task is None:  # the user's JSONL: every line, tokenized and fitted to the canvas, now
             for split in ("train", "eval"):
                 run.source(split)

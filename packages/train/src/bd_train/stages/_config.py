@@ -19,6 +19,9 @@ from ._config_io import build, to_dict
 from ._sections import MeshSection, ModelSection, TaskSection, TokenizerSection
 from ._stage_sections import EvalSection, GRPOSection, OPDSection, RFTSection, SFTSection
 
+# What a stage's checkpoints pin (`[run] allow_changes` names fields under these).
+PINNED = ("identity", "training", "teacher", "rollout", "adapters", "start")
+
 
 @dataclasses.dataclass(frozen=True)
 class RunSection:
@@ -65,6 +68,14 @@ class RunSection:
     stall_floor_s: float = 300.0
 
     def __post_init__(self):
+        for name in ("checkpoint_every", "max_to_keep", "log_every"):
+            if not getattr(self, name) >= 1:
+                raise config_error("", name, getattr(self, name), "an integer >= 1",
+                                   "max_to_keep = 0 would delete every checkpoint" if name == "max_to_keep" else None)
+        for change in self.allow_changes:
+            if change.split(".")[0] not in PINNED:
+                raise config_error("", "allow_changes", change, f"a fingerprint field under one of {list(PINNED)}",
+                                   'as a refused resume names it, e.g. "training.grpo.optim.lr"')
         if self.stall_factor != 0 and not self.stall_factor >= 2:
             raise config_error("", "stall_factor", self.stall_factor,
                                "0 (no watchdog) or at least 2 (an update may take twice the median on a busy host)")
@@ -128,6 +139,23 @@ class PipelineConfig:
             if "sft" in lora.stages and section.checkpoint is not None:
                 raise ConfigError(f"{role}.lora.stages: 'sft' is listed but the {role} adopts the finished SFT "
                                   f"checkpoint {section.checkpoint!r} (nothing trains there); drop 'sft'")
+        for key in ("opd.sampler", "grpo.sampler", "rft.sampler", "eval.sampler"):  # the canvas's lengths are known now
+            section, name = key.split(".")
+            try:
+                getattr(getattr(self, section), name).sampler_config(self.canvas, mask_id=0, pad_id=0)
+            except ConfigError as err:
+                raise ConfigError(f"{key}.{err}") from None
+        self._check_batches_split_over_the_mesh()
+        for change in self.run.allow_changes:  # a misspelt training field would otherwise allow nothing, silently
+            parts = change.split(".")
+            if parts[0] != "training" or len(parts) < 3 or parts[1] not in ("task", "sft", "opd", "grpo", "rft"):
+                continue
+            value: Any = to_dict(getattr(self, parts[1]))
+            for i, part in enumerate(parts[2:], 2):
+                if not isinstance(value, dict) or part not in value:
+                    raise ConfigError(f"run.allow_changes: {change!r}: [{'.'.join(parts[1:i])}] has no key {part!r}; "
+                                      f"name a field as a refused resume names it")
+                value = value[part]
         if self.task.chat_template is not False:
             try:
                 self.chat_template()
@@ -137,6 +165,24 @@ class PipelineConfig:
             raise ConfigError("canvas.policy: the pipeline's rollouts (OPD, GRPO, eval) decode on the block-aligned "
                               "canvas; use policy = 'block_aligned' (the contiguous canvas is for bd_data's SFT "
                               "pipelines on their own)")
+
+    def _check_batches_split_over_the_mesh(self) -> None:
+        """Each microbatch's rows are split over the mesh's `data` x `fsdp` devices: refused here, by
+        key, rather than when the stage starts after the ones before it have trained."""
+        shards = self.mesh.data * self.mesh.fsdp
+        if shards == 1:
+            return
+        sft, opd, grpo = self.sft, self.opd, self.grpo
+        for key, rows, microbatches, what in (
+                ("sft.batch_size", sft.batch_size, sft.microbatches, "batch_size"),
+                ("opd.prompts_per_step", opd.prompts_per_step, opd.microbatches, "prompts_per_step"),
+                ("grpo.prompts_per_step", grpo.prompts_per_step * grpo.group_size, grpo.microbatches,
+                 "prompts_per_step x group_size")):
+            if (rows // microbatches) % shards:
+                per = rows // microbatches
+                raise ConfigError(f"{key}: {what} = {rows} in {microbatches} microbatch(es) gives {per} "
+                                  f"rows per microbatch, which the mesh's data x fsdp = {shards} devices must divide; "
+                                  f"make {what} / microbatches a multiple of {shards}, or change [mesh]")
 
     @property
     def tokenizer_file(self) -> str | None:

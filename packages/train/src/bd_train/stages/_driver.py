@@ -157,7 +157,12 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             state = checkpoints.restore(state, fingerprints=spec.fingerprints, data_iterator=data, allow=allow)
             meta = checkpoints.read_meta()
             history, overrides = list(meta.get("history") or []), list(meta.get("overrides") or [])
-        except (FingerprintMismatch, CheckpointError) as err:
+        except FingerprintMismatch as err:
+            fields = ", ".join(f'"{k}"' for k in sorted(err.differences))
+            raise StageError(f"{spec.name}: cannot continue from {directory}: {err}\nTo continue with the change "
+                             f"on purpose, add it to [run] allow_changes = [{fields}]; to train anew, give the run "
+                             f"another id (--run-id) or [run] output_dir.") from None
+        except CheckpointError as err:
             raise StageError(f"{spec.name}: cannot continue from {directory}: {err}") from None
         if guard is not None:  # its comparisons so far, judged again: a resumed run decides the same
             guard.restore(list((meta.get("extra") or {}).get("guard") or []))

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import zlib
 from pathlib import Path
 from typing import Any, cast
@@ -16,7 +17,7 @@ from typing import Any, cast
 import equinox as eqx
 import jax
 
-from bd_core import Fingerprint, FingerprintMismatch, fingerprint
+from bd_core import ConfigError, Fingerprint, FingerprintMismatch, fingerprint
 from bd_data import (
     ByteTokenizer,
     ChatSource,
@@ -37,10 +38,11 @@ from bd_models import (
     LoRAConfig,
     MeshError,
     ModelConfig,
+    PretrainedError,
     SamplerConfig,
-    SamplingDistribution,
     add_lora,
     check_divisibility,
+    check_pretrained,
     checkpoint_digest,
     from_pretrained,
     init_sharded,
@@ -90,7 +92,11 @@ class RunDir:
     def create(cls, config: Any, *, run_id: str) -> RunDir:
         """The run's folder `<[run] output_dir>/pipeline/<run_id>`, created if needed."""
         run_dir = Path(pipeline_config(config).run.output_dir).resolve() / "pipeline" / str(run_id)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise StageError(f"run.output_dir: cannot create {str(run_dir)!r} ({err.strerror}); set [run] output_dir "
+                             f"to a folder this process can write") from None
         return cls(str(run_id), str(run_dir))
 
     def checkpoint_dir(self, stage: str) -> Path:
@@ -166,8 +172,14 @@ class Run:
 
     @functools.cached_property
     def task(self):
+        """The built-in task `[task]` names, built with its `params`; None for the user's JSONL."""
         task = self.config.task
-        return None if task.train_jsonl else get_task(task.name, seed=task.seed, **task.params)
+        if task.train_jsonl:
+            return None
+        try:
+            return get_task(task.name, seed=task.seed, **task.params)
+        except ConfigError as err:  # `SortTask.lenght: ...` is the preset's `task.params.lenght`
+            raise ConfigError(re.sub(r"^\w+Task\.", "task.params.", str(err))) from None
 
     @functools.cached_property
     def chat_template(self) -> ChatTemplate | None:
@@ -233,15 +245,9 @@ class Run:
 
     def sampler_config(self, section: SamplerSection) -> SamplerConfig:
         """The `SamplerConfig` of a `[... sampler]` table, with the canvas's lengths and the tokenizer's ids."""
-        canvas, tok = self.config.canvas, self.tokenizer
-        distribution = SamplingDistribution(temperature=section.temperature, top_k=section.top_k,
-                                            top_p=section.top_p)
-        return SamplerConfig(block_size=canvas.block_size, max_new_tokens=canvas.max_new_tokens,
-                             mask_id=tok.mask_id, pad_id=tok.pad_id, distribution=distribution,
-                             strategy=section.strategy, threshold=section.threshold,
-                             steps_per_block=section.steps_per_block,
-                             max_steps_per_block=section.max_steps_per_block, confidence=section.confidence,
-                             stop_ids=(tok.eos_id,))
+        tok = self.tokenizer
+        return section.sampler_config(self.config.canvas, mask_id=tok.mask_id, pad_id=tok.pad_id,
+                                      stop_ids=(tok.eos_id,))
 
     @staticmethod
     def optimizer_config(section: OptimSection, steps: int) -> OptimizerConfig:
@@ -385,6 +391,16 @@ class Run:
         added = getattr(self.tokenizer, "added_mask", False)
         return from_pretrained(folder, mesh=mesh, new_rows_from=self.tokenizer.mask_id if added else None, **kwargs)
 
+    def check_pretrained(self, role: str) -> None:
+        """Read the role's pretrained checkpoint as `pretrained_model` would, but not its weights:
+        every shard present and readable, every tensor there with its shape. Refused naming the key."""
+        folder = getattr(self.config, role).folder
+        kwargs = {k: v for k, v in self._pretrained_kwargs(role).items() if k not in ("raw", "where")}
+        try:
+            check_pretrained(folder, **kwargs)
+        except PretrainedError as err:
+            raise StageError(f"{role}.pretrained: {err}") from None
+
     def export(self, model: BlockDiffusionLM, stage: str, role: str) -> Path:
         """`model` (adapters merged) as a Hugging Face checkpoint in `<run>/export/<stage>`: the
         pretrained source's config keys kept, the block size and mask token id recorded, and the
@@ -455,6 +471,15 @@ class Run:
 
 def open_checkpoints(directory: str | Path, *, create: bool, max_to_keep: int | None = 2,
                      async_save: bool = False) -> Checkpointer:
+    """A stage's checkpoint folder; without `create` one that must hold a stage's checkpoints, refused
+    in the preset's terms (a missing folder, one step's folder given for the stage's)."""
+    folder = Path(directory)
+    if not create and not folder.is_dir():
+        raise StageError(f"checkpoint folder {str(folder)!r} does not exist; give a stage's checkpoint folder "
+                         f"(<output_dir>/pipeline/<run-id>/checkpoints/<stage>)")
+    if not create and folder.name.isdigit() and (folder / "meta").is_dir():
+        raise StageError(f"{str(folder)!r} is one step of the checkpoint folder {str(folder.parent)!r}; give that "
+                         f"folder (its latest complete step is used)")
     try:
         return Checkpointer(directory, max_to_keep=max_to_keep, create=create, async_save=async_save)
     except CheckpointError as err:

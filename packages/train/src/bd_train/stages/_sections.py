@@ -80,7 +80,8 @@ class TaskSection:
         for name in ("train_jsonl", "eval_jsonl"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
-                raise ConfigError(f"{name}: file {path!r} does not exist; give the path of a JSONL file "
+                what = "is a folder" if Path(path).is_dir() else "does not exist"
+                raise ConfigError(f"{name}: file {path!r} {what}; give the path of a JSONL file "
                                   f"with one {{\"prompt\": ..., \"completion\": ...}} object per line")
         if (self.train_jsonl is None) != (self.eval_jsonl is None):
             raise ConfigError("train_jsonl / eval_jsonl: give both (training and held-out data) or neither")
@@ -201,6 +202,13 @@ class ModelSection:
     def __post_init__(self):
         if self.logits_chunk < 0:  # invariants name the field relative to the section
             raise config_error("", "logits_chunk", self.logits_chunk, "a value >= 0")
+        if self.pretrained is None and self.checkpoint is None:  # the sizes build the model: checked now
+            from bd_models import ModelConfig
+
+            try:  # the vocabulary and block come from the tokenizer and canvas; stand-ins do for the sizes
+                ModelConfig(vocab_size=256, block_size=1, **self.model_kwargs())
+            except ConfigError as err:  # `head_dim` is the checkpoint's, not a preset key
+                raise ConfigError(str(err).removeprefix("ModelConfig.").replace(", or set head_dim", "")) from None
         if self.checkpoint is not None and not Path(self.checkpoint).is_dir():
             raise ConfigError(f"checkpoint: folder {self.checkpoint!r} does not exist; give the checkpoint folder of "
                               f"an SFT stage (runs/pipeline/<run-id>/checkpoints/sft-<role>) or remove the key")

@@ -7,7 +7,8 @@ import dataclasses
 from typing import Literal
 
 from bd_core import ConfigError, config_error
-from bd_data import CorruptionConfig
+from bd_data import CanvasConfig, CorruptionConfig
+from bd_models import SamplerConfig, SamplingDistribution
 
 
 # Section invariants name the field relative to the section; `build` prefixes the section's path.
@@ -80,6 +81,20 @@ class SamplerSection:
     steps_per_block: int | None = None
     max_steps_per_block: int | None = None
     confidence: Literal["probability", "margin", "entropy"] = "probability"
+
+    def sampler_config(self, canvas: CanvasConfig, *, mask_id: int, pad_id: int,
+                       stop_ids: tuple[int, ...] = ()) -> SamplerConfig:
+        """The `bd_models.SamplerConfig` of this table on `canvas`, with the tokenizer's ids. Its
+        refusals name the table's key (`top_p: expected ...`)."""
+        try:
+            distribution = SamplingDistribution(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+            return SamplerConfig(block_size=canvas.block_size, max_new_tokens=canvas.max_new_tokens, mask_id=mask_id,
+                                 pad_id=pad_id, distribution=distribution, strategy=self.strategy,
+                                 threshold=self.threshold, steps_per_block=self.steps_per_block,
+                                 max_steps_per_block=self.max_steps_per_block, confidence=self.confidence,
+                                 stop_ids=stop_ids)
+        except ConfigError as err:
+            raise ConfigError(str(err).removeprefix("SamplingDistribution.").removeprefix("SamplerConfig.")) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +222,9 @@ class GRPOSection:
             raise config_error("", "group_size", self.group_size, ">= 2",
                                "advantages compare the samples of one prompt")
         _nonneg(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, beta=self.beta)
+        if not self.epsilon_low < 1:
+            raise config_error("", "epsilon_low", self.epsilon_low, "a value in [0, 1)",
+                               "the ratio is clipped below at 1 - epsilon_low; use e.g. 0.2")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--run-id", default=RUN_ID,
                      help=f"the run's folder under <output_dir>/pipeline/ (default {RUN_ID!r}); the same id resumes")
     args = parser.parse_args(argv)
+    run_id = getattr(args, "run_id", RUN_ID)
+    if not run_id.strip() or set("/\\") & set(run_id) or run_id in (".", ".."):
+        parser.error(f"--run-id {run_id!r}: a run id names one folder under <output_dir>/pipeline/; give a name "
+                     f"without slashes")
     if not args.preset.is_file():
         parser.error(f"{args.preset}: no such preset file")
     try:
@@ -102,7 +106,7 @@ def _run(config: dict, until: str, run_id: str) -> int:
         return 2
     try:
         run_chain(config, RunDir.create(config, run_id=run_id), until=until)
-    except StageError as err:  # e.g. SIGTERM: every process of the group stops at the same saved step
+    except (StageError, ConfigError) as err:  # e.g. SIGTERM: every process of the group stops at the same saved step
         print(f"bdlm: {err}", file=sys.stderr)
         shutdown()  # leave the group together, before process 0's coordination service goes
         return 1
