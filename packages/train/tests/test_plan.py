@@ -109,7 +109,7 @@ def test_every_stage_compiles_for_v5e_with_exact_bytes_per_chip(smoke_plan):
         row = next(line for line in done.stdout.splitlines() if line.startswith(f"| {stage} | held-out decoding |"))
         assert row.endswith("% |  |  |  |"), row
     # The student's held-out decoding is one program in every stage: compiled once, its figures reused.
-    assert done.stderr.count("compiled sft-student: held-out decoding in") == 1
+    assert done.stderr.count("compiled sft-student: held-out decoding (") == 1
     decoding = programs[("sft-student", "held-out decoding")]
     for stage in ("opd", "grpo"):
         assert f"{stage}: held-out decoding: compiled before" in done.stderr
