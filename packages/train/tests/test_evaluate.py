@@ -88,6 +88,7 @@ def test_an_output_path_that_cannot_hold_the_results_is_refused_before_the_work(
 
 
 def test_a_step_folder_or_a_missing_path_is_refused_naming_what_to_give(checkpoint, tmp_path):
+    from bd_core import ConfigError
     from bd_train.evaluate import load
     from bd_train.stages import StageError
 
@@ -98,3 +99,5 @@ def test_a_step_folder_or_a_missing_path_is_refused_naming_what_to_give(checkpoi
     missing = str(tmp_path.name) + "/nope"  # an org/name shape: not a local folder, and no --config for a Hub id
     with pytest.raises(StageError, match=r"/nope: no such folder here; read as a Hub repo id it records no task"):
         load(missing)
+    with pytest.raises(ConfigError, match=r"^--checkpoint .*/nope: "):  # the flag, not teacher.pretrained
+        load(missing, config=SMOKE.read_text())

@@ -64,7 +64,13 @@ def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = Non
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"--config is not valid TOML: {err}") from None
         data["student"] = data["teacher"] = {"pretrained": str(checkpoint)}
-        run = Run(parse_pipeline_config(_overridden(data, task, n)))
+        try:
+            run = Run(parse_pipeline_config(_overridden(data, task, n)))
+        except ConfigError as err:  # the checkpoint stands in for both roles: name the flag, not the keys
+            message = str(err)
+            for role in ("teacher", "student"):
+                message = message.removeprefix(f"{role}.pretrained: ")
+            raise ConfigError(f"--checkpoint {message}") from None
         return run, run.pretrained_model("student")
     with open_checkpoints(checkpoint, create=False) as checkpoints:
         try:
