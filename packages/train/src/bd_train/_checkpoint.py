@@ -359,16 +359,17 @@ class Checkpointer:
     def check_tree(self, target: TrainState, step: int | None = None) -> None:
         """Raise `CheckpointMismatch` naming every leaf whose shape or dtype differs, or that
         exists on one side only."""
-        self._check_items(arrays_of(target), self._resolve(step))
+        step = self._resolve(step)
+        self._check_items(arrays_of(target), step, self.read_meta(step))
 
-    def _check_items(self, items: Mapping[str, Any], step: int) -> None:
+    def _check_items(self, items: Mapping[str, Any], step: int, meta: Mapping[str, Any]) -> None:
         try:
             metadata = self._manager.item_metadata(step)
         except Exception as err:  # noqa: BLE001  (a damaged metadata file)
             raise CheckpointCorrupted(f"checkpoint {self.directory} step {step}: its array metadata could not be read "
                                       f"({type(err).__name__}); {self._recovery(step)}") from None
         differences = {}
-        recorded = self.read_meta(step).get("digests") or {}  # every array the step was saved with, by path
+        recorded = meta.get("digests") or {}  # every array the step was saved with, by path
         for name, tree in items.items():
             item = metadata.get(name) if hasattr(metadata, "get") else metadata[name]
             if item is None and name in ("rng", "counters"):
@@ -403,10 +404,10 @@ class Checkpointer:
         step = self._resolve(step)
         self.check_fingerprints(fingerprints or {}, step)
         arrays = nested(trainable(target))
-        self._check_items({"model": arrays}, step)
+        meta = self.read_meta(step)
+        self._check_items({"model": arrays}, step, meta)
         mesh = mesh_of(arrays)
         abstract = jax.tree_util.tree_map(lambda x: restore_target(x, mesh), arrays)
-        meta = self.read_meta(step)
         restored = self._read(step, ocp.args.Composite(model=ocp.args.StandardRestore(abstract)), "the model",
                               list(flat_items({"model": arrays})), meta.get("digests"))
         self._verify({"model": restored["model"]}, step, meta)
@@ -421,8 +422,8 @@ class Checkpointer:
         saved position in place."""
         step = self._resolve(step)
         self.check_fingerprints(fingerprints or {}, step, allow=allow)
-        self.check_tree(target, step)
         meta = self.read_meta(step)
+        self._check_items(arrays_of(target), step, meta)
         if data_iterator is not None and not meta.get("has_data_state"):
             raise CheckpointError(f"checkpoint {self.directory} step {step} holds no data-iterator state; restore "
                                   "without data_iterator= and position the data yourself")

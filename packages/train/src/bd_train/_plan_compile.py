@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +74,7 @@ class Figures:
 _WORKERS = max(1, int(os.environ.get("BDLM_PLAN_THREADS", "2")))
 _POOL = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix="plan-compile")
 _LOCK = threading.Lock()
+_KEYS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # a lowered program's StableHLO digest
 
 
 def _compile(lowered: Any) -> Figures:
@@ -95,7 +97,9 @@ def submit(lowered: Any, memo: dict[str, Any] | None) -> concurrent.futures.Futu
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_result(_compile(lowered))
         return done
-    key = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+    key = _KEYS.get(lowered)
+    if key is None:  # a program's text is long (every layer, unrolled): hashed once, however often submitted
+        key = _KEYS[lowered] = hashlib.sha256(lowered.as_text().encode()).hexdigest()
     with _LOCK:
         if key not in memo or memo[key].cancelled():
             memo[key] = _POOL.submit(_compile, lowered)

@@ -381,23 +381,26 @@ class Run:
         return {"adapters": fingerprint({"lora": lora.to_dict(), "base_source": source,
                                          "base_digest": weights_digest(model)})}
 
-    def pretrained_model(self, role: str, *, mesh: jax.sharding.Mesh | None = None) -> BlockDiffusionLM:
-        """The role's pretrained checkpoint as configured: the canvas's block size, the tokenizer's
-        vocabulary (an added mask token's row is the mean of the tokens' rows), the section's dtypes."""
+    def _reading(self, role: str) -> dict[str, Any]:
+        """`from_pretrained`'s arguments for the role's checkpoint as configured: the canvas's block
+        size, the tokenizer's vocabulary (an added mask token's row is the mean of the tokens'
+        rows), the section's dtypes."""
         folder = getattr(self.config, role).folder
         if not folder:
             raise StageError(f"{role}: no pretrained checkpoint is configured ([{role}] pretrained)")
         kwargs = {k: v for k, v in self._pretrained_kwargs(role).items() if k not in ("raw", "where")}
         added = getattr(self.tokenizer, "added_mask", False)
-        return from_pretrained(folder, mesh=mesh, new_rows_from=self.tokenizer.mask_id if added else None, **kwargs)
+        return dict(path=folder, new_rows_from=self.tokenizer.mask_id if added else None, **kwargs)
+
+    def pretrained_model(self, role: str, *, mesh: jax.sharding.Mesh | None = None) -> BlockDiffusionLM:
+        """The role's pretrained checkpoint as configured (`_reading`)."""
+        return from_pretrained(**self._reading(role), mesh=mesh)
 
     def check_pretrained(self, role: str) -> None:
         """Read the role's pretrained checkpoint as `pretrained_model` would, but not its weights:
         every shard present and readable, every tensor there with its shape. Refused naming the key."""
-        folder = getattr(self.config, role).folder
-        kwargs = {k: v for k, v in self._pretrained_kwargs(role).items() if k not in ("raw", "where")}
         try:
-            check_pretrained(folder, **kwargs)
+            check_pretrained(**self._reading(role))
         except PretrainedError as err:
             raise StageError(f"{role}.pretrained: {err}") from None
 
