@@ -131,6 +131,30 @@ def test_a_malformed_jsonl_line_is_refused_at_the_start_naming_file_and_line(tmp
         check_adopted(config)
 
 
+def test_data_files_edited_in_place_change_the_training_fingerprint_by_key(tmp_path):
+    """The stages' checkpoints pin the data files' bytes: a JSONL edited at the same path (or a
+    built-in task's file param) is named on resume like any changed setting."""
+    line = '{"prompt": "3 1 2=", "completion": "1 2 3"}\n'
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text(line)
+    held_out.write_text(line)
+    preset = {"task": {"train_jsonl": str(train), "eval_jsonl": str(held_out)}}
+    before = Run(parse_pipeline_config(preset)).training("sft-student")
+    assert Run(parse_pipeline_config(preset)).training("sft-student") == before
+    train.write_text(line.replace("3 1 2", "2 1 3"))
+    after = Run(parse_pipeline_config(preset)).training("sft-student")
+    assert set(before.diff(after)) == {"data.train_jsonl"}
+    math, math_eval = tmp_path / "math.jsonl", tmp_path / "math_eval.jsonl"
+    math.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    math_eval.write_text('{"prompt": "2+2=", "answer": "4"}\n')
+    math_preset = {"task": {"name": "math", "params": {"path": str(math), "eval_path": str(math_eval)}}}
+    before = Run(parse_pipeline_config(math_preset)).training("grpo")
+    math.write_text('{"prompt": "1+2=", "answer": "3"}\n')
+    assert set(before.diff(Run(parse_pipeline_config(math_preset)).training("grpo"))) == {"data.params.path"}
+    sort = Run(parse_pipeline_config({"task": {"name": "sort"}})).training("grpo")
+    assert "data" not in sort.fields  # a generated task reads no file: its fingerprint is as before
+
+
 def test_a_hub_repo_pins_its_commit_and_a_moved_branch_is_refused_by_name(hub_cache, tmp_path):
     """`pretrained = "org/name"` reads the Hub cache's snapshot; the identity records the repo and the
     resolved commit, so a resume after `main` moved to another commit (same weights) is refused

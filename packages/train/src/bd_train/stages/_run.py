@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import re
@@ -186,6 +187,25 @@ class Run:
         """`[task] chat_template` (a `bd_data.ChatTemplate`), or None when prompts are fed raw."""
         return self.config.chat_template()
 
+    @functools.cached_property
+    def data_digests(self) -> dict[str, str]:
+        """The SHA-256 of each data file the run reads, by its preset key: `[task]`'s JSONL files, or
+        a built-in task's file params (`math`'s `path`). The stages' checkpoints pin them, so a
+        file edited at the same path is not trained on unnoticed."""
+        task = self.config.task
+        if self.task is None:
+            files = {key: cast(str, getattr(task, key)) for key in ("train_jsonl", "eval_jsonl")}
+        else:
+            files = {f"params.{k}": v for k, v in sorted(task.params.items()) if isinstance(v, str) and Path(v).is_file()}
+        digests = {}
+        for key, path in files.items():
+            try:
+                with open(path, "rb") as file:
+                    digests[key] = hashlib.file_digest(file, "sha256").hexdigest()
+            except OSError as err:
+                raise StageError(f"task.{key}: cannot read {path!r} ({err.strerror})") from None
+        return digests
+
     def source(self, split: str):
         """The split's examples; with a chat template their `prompt_ids` are the rendered prompt's
         (which every stage's batches and the evaluation use), their text stays the raw prompt."""
@@ -284,9 +304,10 @@ class Run:
     def training(self, stage: str) -> Fingerprint:
         """What defines a stage's training beyond the model: the task, the seed and the stage's
         whole config section (steps, batch, optimizer and schedule, corruption or objective,
-        rollout decoding), and the chat template's digest when prompts go through one. A stage's
-        checkpoints pin it, so a resume under a changed preset is refused by field name
-        (`training.sft.optim.lr: saved 0.003, current 0.001`, `training.chat_template: ...`)."""
+        rollout decoding), the chat template's digest when prompts go through one, and the user's
+        JSONL files by their bytes. A stage's checkpoints pin it, so a resume under a changed preset
+        or a data file edited in place is refused by field name (`training.sft.optim.lr: saved
+        0.003, current 0.001`, `training.chat_template: ...`, `training.data.train_jsonl: ...`)."""
         cfg = self.config
         section = "sft" if stage.startswith("sft-") else stage
         # The chat template counts by its text, wherever it was read from (and, off, leaves the
@@ -298,6 +319,8 @@ class Run:
         fields: dict[str, Any] = {"seed": cfg.run.seed, "task": task, section: values}
         if self.chat_template is not None:
             fields["chat_template"] = self.chat_template.digest
+        if self.data_digests:
+            fields["data"] = self.data_digests
         if section == "sft":
             fields["steps"] = cfg.sft.steps_for(stage.removeprefix("sft-"))
         return fingerprint(to_dict(fields))
