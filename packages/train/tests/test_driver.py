@@ -208,3 +208,29 @@ def test_sft_may_continue_another_stages_model_and_pins_where_it_started(tmp_pat
     other = run_sft(config, RunDir.create(config, run_id="other"), role="student")
     with pytest.raises(StageError, match=r"start\.checkpoint"):
         run_sft(more_config, RunDir.create(more_config, run_id="more"), role="student", start=other)
+
+
+def test_a_checkpoint_names_its_stage_and_adopting_another_stages_is_said(run, tmp_path, capsys):
+    """`[teacher] checkpoint` given the student's SFT (or an OPD checkpoint) is adopted, as it may be
+    meant, but said before anything trains; the role's own SFT is said without a warning."""
+    from bd_train.stages import check_adopted
+    from bd_train.stages._compat import adoption, saved_stage
+
+    with pytest.raises(SimulatedFailure):
+        _drive(run, fail_after=3)
+    directory = run.where.checkpoint_dir("sft-student")
+    assert saved_stage(directory) == ("sft-student", 3)
+    assert adoption("student", directory) == f"student.checkpoint: adopting {directory} (step 3, written by stage " \
+                                             f"sft-student)"
+    capsys.readouterr()
+    data = tomllib.loads(SMOKE.read_text())
+    data["teacher"] = {"checkpoint": str(directory)}
+    check_adopted(parse_pipeline_config(data))
+    assert "teacher.checkpoint: adopting" in (err := capsys.readouterr().err)
+    assert "written by stage sft-student); that is not the teacher's SFT (sft-teacher)" in err
+    with Checkpointer(tmp_path / "older", create=True) as checkpoints:  # from before stages were recorded
+        state = run.fresh_state(run.model_config("student"), make_optimizer(run.optimizer_config(
+            run.config.opd.optim, 2)), key=jax.random.key(0))
+        checkpoints.save(state, fingerprints={"identity": run.identity("student"), "training": run.training("opd")})
+    assert saved_stage(tmp_path / "older") == ("opd", 0)
+    assert "stage opd); that is not the student's SFT" in adoption("student", tmp_path / "older")

@@ -4,6 +4,7 @@ architecture), each mismatch refused with every differing field named."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,12 +36,43 @@ def saved_identity(directory: str | Path) -> Fingerprint:
     return fingerprints["identity"]
 
 
+def saved_stage(directory: str | Path) -> tuple[str, int]:
+    """Which stage wrote a stage checkpoint, and its latest step. A checkpoint from before the
+    stage was recorded is named by its training section (`"sft"`, `"opd"`, ...)."""
+    checkpoints = open_checkpoints(directory, create=False)
+    try:
+        meta = checkpoints.read_meta()
+    except CheckpointError as err:
+        raise StageError(str(err)) from None
+    finally:
+        checkpoints.close()
+    stage = (meta.get("extra") or {}).get("stage")
+    if stage is None:  # the training fingerprint's one stage section
+        fields = ((meta.get("fingerprints") or {}).get("training") or {}).get("fields") or {}
+        sections = sorted(set(fields) - {"seed", "task", "steps", "chat_template", "data"})
+        stage = sections[0] if len(sections) == 1 else "an unknown stage"
+    return str(stage), int(meta["step"])
+
+
+def adoption(role: str, directory: str | Path) -> str:
+    """One line saying what `[role] checkpoint` adopts: the folder, its step and the stage that
+    wrote it, with a warning when that is not the role's own SFT (another stage's model, or the
+    other role's, is adopted as it is: allowed, but rarely meant)."""
+    stage, step = saved_stage(directory)
+    line = f"{role}.checkpoint: adopting {directory} (step {step}, written by stage {stage})"
+    if stage not in (f"sft-{role}", "sft"):
+        line += (f"; that is not the {role}'s SFT (sft-{role}), so the {role} is that stage's model as it is. "
+                 f"If you meant the {role}'s SFT, give runs/pipeline/<run-id>/checkpoints/sft-{role}")
+    return line
+
+
 def check_adopted(config: Any) -> None:
     """Before anything trains: every checkpoint the config adopts (`[teacher]/[student] checkpoint`)
     must share the config's tokens and blocks, or the run is refused now, naming each field. The
     tokenizer, the pretrained checkpoints' configs and the user's JSONL files (every line) are read
     now too (a task's first prompts rendered by the chat template, if any), and a teacher and
-    student whose output vocabularies differ are refused."""
+    student whose output vocabularies differ are refused. Each adopted checkpoint is said on
+    stderr, with the stage that wrote it (`adoption`)."""
     run = Run(config)
     try:
         _ = run.tokenizer  # loads and checks the special tokens
@@ -71,6 +103,7 @@ def check_adopted(config: Any) -> None:
     for role in ROLES:
         directory = getattr(run.config, role).checkpoint
         if directory:
+            print(adoption(role, directory), file=sys.stderr)
             try:
                 require_compatible(saved_identity(directory), run.identity("student"), SHARED_IDENTITY_KEYS,
                                    context=f"{role} checkpoint {directory} vs this config")

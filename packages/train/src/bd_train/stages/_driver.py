@@ -181,7 +181,7 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
         if int(state.step) not in checkpoints.all_steps():
             checkpoints.save(state, fingerprints=spec.fingerprints, config=cfg.to_dict(), data_iterator=data,
                              force=True, history=history, overrides=overrides,
-                             extra=None if guard is None else {"guard": guard.points})
+                             extra={"stage": spec.name, **({} if guard is None else {"guard": guard.points})})
         if final:
             checkpoints.wait()
 

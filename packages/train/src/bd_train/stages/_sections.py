@@ -172,7 +172,8 @@ class ModelSection:
             (the whole layer) or `save_matmuls`.
         logits_chunk: positions per row whose logits the losses compute at a time (recomputed in the backward
             pass), so the whole `[tokens, vocab]` logits are never held at once; 0: all at once.
-        checkpoint: an SFT stage's checkpoint folder to adopt instead of training this role.
+        checkpoint: an SFT stage's checkpoint folder to adopt instead of training this role (another stage's
+            is adopted as it is, with a warning at the start naming the stage that wrote it).
         pretrained: start from a Hugging Face checkpoint: a local folder, or a Hub repo id (`"org/name"`); its
             config sets the architecture.
         revision: with a Hub repo id: the branch, tag or commit (default `main`), pinned by its commit.
