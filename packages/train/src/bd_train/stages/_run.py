@@ -196,7 +196,8 @@ class Run:
         if self.task is None:
             files = {key: cast(str, getattr(task, key)) for key in ("train_jsonl", "eval_jsonl")}
         else:
-            files = {f"params.{k}": v for k, v in sorted(task.params.items()) if isinstance(v, str) and Path(v).is_file()}
+            files = {f"params.{k}": v for k, v in sorted(task.params.items())
+                     if isinstance(v, str) and Path(v).is_file()}
         digests = {}
         for key, path in files.items():
             try:
