@@ -18,7 +18,7 @@ import pytest
 from bd_models import BlockDiffusionLM, make_mesh, param_partition_specs
 from bd_train import make_optimizer
 from bd_train._plan_report import LEGEND
-from bd_train._tpu import CHIPS, GiB, refusal_bytes
+from bd_train._tpu import CHIPS, GiB, TopologyError, parse_topology, refusal_bytes
 from bd_train.plan import Plan, ProgramPlan, StagePlan, format_plan
 from bd_train.stages import Run, parse_pipeline_config
 
@@ -218,6 +218,11 @@ def test_unknown_topologies_and_meshes_are_refused_by_name(tmp_path):
     done = subprocess.run([sys.executable, "-m", "bd_train.plan", str(SMOKE), "--topology", "v9x:2x2"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--topology 'v9x:2x2': expected <generation>:<shape>" in done.stderr
+    for name in ("v5e:2x3", "v5e:4x2", "v6e:2x2x2", "v5p:2x2", "v5p:3x4x4", "v5p:4x4x6"):
+        with pytest.raises(TopologyError, match=rf"--topology '{name}': v\d\w slices are not made in the shape"):
+            parse_topology(name)
+    for name in ("v5e:2x4", "v6e:16x16", "v5p:2x2x1", "v5p:2x2x4", "v5p:16x16x24", "v5p:4x8x12"):
+        assert parse_topology(name)[1] == tuple(int(d) for d in name.split(":")[1].split("x"))
     if importlib.util.find_spec("libtpu") is None and not PLAN_PYTHON.exists():
         return
     done, _ = _plan(tmp_path, SMOKE, "--topology", "v5e:2x2", "--mesh", "fsdp=8")

@@ -106,7 +106,29 @@ def parse_topology(name: str) -> tuple[Chip, tuple[int, ...]]:
         raise TopologyError(f"--topology {name!r}: the shape {shape!r} is not of the form AxB or AxBxC") from None
     if not 2 <= len(dims) <= 3 or min(dims) < 1:
         raise TopologyError(f"--topology {name!r}: the shape {shape!r} is not of the form AxB or AxBxC")
+    if not _sold(generation, dims):
+        raise TopologyError(f"--topology {name!r}: {generation} slices are not made in the shape {shape}; "
+                            f"give one of {', '.join(SHAPES[generation])}"
+                            + (" (or a larger AxBxC with every side a multiple of 4)" if generation == "v5p" else ""))
     return CHIPS[generation], dims
+
+
+# The slice shapes Google Cloud makes (its v5e, v5p and v6e pages): 2D tori of 1 to 256 chips for
+# v5e and v6e; v5p's 3D shapes up to one 4x4x4 cube, and beyond it any shape whose sides are
+# multiples of 4 (whole cubes). libtpu describes other shapes too, which no one can rent.
+SHAPES = {
+    "v5e": ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+    "v6e": ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+    "v5p": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16",
+            "16x16x16", "16x16x24"),
+}
+
+
+def _sold(generation: str, dims: tuple[int, ...]) -> bool:
+    shape = "x".join(map(str, dims))
+    if shape in SHAPES[generation]:
+        return True
+    return generation == "v5p" and len(dims) == 3 and all(d % 4 == 0 for d in dims)
 
 
 def topology(name: str, *, num_slices: int = 1) -> Topology:
