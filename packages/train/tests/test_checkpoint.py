@@ -191,6 +191,36 @@ def test_damaged_files_are_refused_by_name_with_how_to_recover(tmp_path, damage)
         "the content of model/" in message and "(shard " in message), message
 
 
+_RESTORE_DAMAGED = """
+import sys, time, jax
+from bd_models import BlockDiffusionLM, ModelConfig
+from bd_train import Checkpointer, CheckpointCorrupted, OptimizerConfig, Trainer, make_optimizer, sft_objective
+config = ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, block_size=4)
+state = Trainer(sft_objective, make_optimizer(OptimizerConfig())).init(BlockDiffusionLM(config, key=jax.random.key(0)),
+                                                           key=jax.random.key(1))
+try:
+    with Checkpointer(sys.argv[1], create=False) as checkpoints:
+        checkpoints.restore(state)
+except CheckpointCorrupted as err:
+    time.sleep(1)  # the reads a failed restore leaves in flight end meanwhile
+    sys.exit(f"refused: {err}")
+"""
+
+
+@pytest.mark.parametrize("damage", ["truncate", "remove"])
+def test_a_damaged_checkpoint_is_the_last_thing_said(tmp_path, damage):
+    """A failed restore leaves TensorStore reads in flight, whose ends Python used to print as
+    screens of "Event loop is closed" tracebacks, under the message and up to the exit."""
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(_real_state(TINY))
+    for path in _array_files(tmp_path / "0"):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2]) if damage == "truncate" else path.unlink()
+    done = subprocess.run([sys.executable, "-c", _RESTORE_DAMAGED, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1 and "Event loop is closed" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(f"refused: checkpoint {tmp_path} step 0: "), done.stderr
+
+
 @pytest.mark.parametrize("lost", ["model/_METADATA", "model"])
 def test_an_item_whose_files_are_gone_is_damage_not_another_config(tmp_path, lost):
     """The model's metadata, or its whole folder, removed after the save: the checkpoint recorded those

@@ -28,6 +28,7 @@ import importlib.metadata
 import json
 import os
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -151,6 +152,24 @@ def _meta_handler() -> ocp.JsonCheckpointHandler:
     return handler
 
 
+def _quiet_reads_left_behind() -> None:
+    """A failed restore leaves TensorStore reads in flight; each reports its end to the event loop
+    Orbax ran the restore on, which is closed by then, and Python prints that `RuntimeError('Event
+    loop is closed')` as an unraisable exception, seconds later or at exit: a screen of tracebacks
+    under the message that says what is damaged. Those reports alone are dropped from then on;
+    every other unraisable exception goes to the hook that was there before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_bdlm_quiet", False):
+        return
+
+    def hook(report: Any) -> None:
+        if not (isinstance(report.exc_value, RuntimeError) and str(report.exc_value) == "Event loop is closed"):
+            previous(report)
+
+    hook._bdlm_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 class Checkpointer:
     """Saves and restores `TrainState`s under `directory/<step>` with an Orbax `CheckpointManager`.
 
@@ -221,6 +240,7 @@ class Checkpointer:
         try:
             restored = self._manager.restore(step, args=args)
         except Exception as err:  # noqa: BLE001  (tensorstore/orbax raise many kinds for a damaged file)
+            _quiet_reads_left_behind()
             unreadable = unreadable_shards(os.path.join(self.directory, str(step)), paths, saved) if paths else []
             if unreadable:
                 error = f"the content of {_named(unreadable)} could not be read"
@@ -366,8 +386,9 @@ class Checkpointer:
         try:
             metadata = self._manager.item_metadata(step)
         except Exception as err:  # noqa: BLE001  (a damaged metadata file)
+            _quiet_reads_left_behind()
             raise CheckpointCorrupted(f"checkpoint {self.directory} step {step}: its array metadata could not be read "
-                                      f"({type(err).__name__}); {self._recovery(step)}") from None
+                                      f"({type(err).__name__}). {self._recovery(step)}") from None
         differences = {}
         recorded = meta.get("digests") or {}  # every array the step was saved with, by path
         for name, tree in items.items():
