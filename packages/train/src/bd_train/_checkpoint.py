@@ -24,11 +24,9 @@ overlap training there.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
+import functools
 import json
 import os
-import re
-import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +39,11 @@ import orbax.checkpoint as ocp
 from bd_core import Fingerprint, FingerprintMismatch
 from bd_models import trainable
 
+from ._checkpoint_errors import CheckpointCorrupted as CheckpointCorrupted
+from ._checkpoint_errors import CheckpointError as CheckpointError
+from ._checkpoint_errors import CheckpointMismatch as CheckpointMismatch
+from ._checkpoint_errors import named, plain, quiet_reads_left_behind
+from ._checkpoint_meta import PendingMeta, meta_handler, versions
 from ._checkpoint_trees import (
     arrays_of,
     describe,
@@ -55,7 +58,6 @@ from ._checkpoint_trees import (
 )
 from ._fingerprints import as_plain_dict
 from ._shard_digests import (
-    HostShards,
     agreed_errors,
     damaged_shards,
     digest_host_shards,
@@ -70,104 +72,6 @@ ARRAY_ITEMS = ("model", "opt_state", "rng", "counters")
 # The barrier every process passes at the end of an Orbax restore (`Checkpointer.restore`, no key
 # prefix): a process whose read failed passes it too, so that the group can agree on the failure.
 _ORBAX_RESTORE_BARRIER = "Checkpointer:restore"
-_VERSIONED = ("bd-core", "bd-data", "bd-models", "bd-train", "jax", "equinox", "optax", "orbax-checkpoint", "grain")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete or was asked for in a way that cannot work."""
-
-
-class CheckpointCorrupted(CheckpointError):
-    """A checkpoint whose files cannot be read, or no longer hold what was saved."""
-
-
-class CheckpointMismatch(CheckpointError):
-    """The saved tree differs from the target; `differences` maps leaf path -> (saved, target)."""
-
-    def __init__(self, differences: Mapping[str, tuple[Any, Any]], context: str):
-        self.differences = dict(differences)
-        lines = [f"  {path}: saved {saved}, target {target}"
-                 for path, (saved, target) in sorted(self.differences.items())]
-        super().__init__(
-            f"{context}: the saved tree differs from the target in {len(lines)} leaf/leaves:\n" + "\n".join(lines)
-            + "\nBuild the target with the config the checkpoint was made with, or start from a matching checkpoint."
-        )
-
-
-def _named(shards: Sequence[tuple[str, str]]) -> str:
-    """`a/b (shard 0:4,0:8), c (shard 0:2)` for at most 8 shards, then how many more."""
-    names = ", ".join(f"{path} (shard {key or '()'})" for path, key in shards[:8])
-    return names + (f" and {len(shards) - 8} more" if len(shards) > 8 else "")
-
-
-_SLICE = re.compile(r"\(?slice\((-?\d+|None), (-?\d+|None), (?:-?\d+|None)\)\)?,?\s*")
-
-
-def _plain(text: str) -> str:
-    """An error text with its Python `slice(...)` tuples written as region keys (`0:1,0:64`)."""
-    def region(match: re.Match) -> str:
-        parts = _SLICE.findall(match.group(0))
-        return ",".join(f"{'' if a == 'None' else a}:{'' if b == 'None' else b}" for a, b in parts)
-
-    return re.sub(r"\((?:slice\([^)]*\),?\s*)+\)", region, text)
-
-
-def _versions() -> dict[str, str]:
-    out = {}
-    for name in _VERSIONED:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "unknown"
-    return out
-
-
-@dataclasses.dataclass
-class _PendingMeta:
-    """A save's JSON metadata whose digests are computed when Orbax writes the item, on its
-    background thread, from the host copies taken at save."""
-
-    meta: dict[str, Any]
-    shards: HostShards | None
-
-    def resolve(self) -> dict[str, Any]:
-        shards, self.shards = self.shards, None  # the host copies are released once digested
-        if shards is None:
-            raise CheckpointError("the metadata of an asynchronous save was written twice")
-        return {**self.meta, "digests": digest_host_shards(shards)}
-
-
-def _meta_handler() -> ocp.JsonCheckpointHandler:
-    """Orbax's JSON handler (its type is what `JsonSave`/`JsonRestore` are registered with, so
-    restores need nothing else) whose write first resolves a `_PendingMeta`: the digests are
-    computed inside the commit, and the step is renamed from its temp dir only once they are
-    written."""
-    handler = ocp.JsonCheckpointHandler()
-    write = handler._save_fn  # orbax-checkpoint 0.12: the coroutine its commit thread runs
-
-    async def save_fn(item: Any, directory: Any) -> None:
-        await write(item.resolve() if isinstance(item, _PendingMeta) else item, directory)
-
-    handler._save_fn = save_fn  # type: ignore[method-assign]
-    return handler
-
-
-def _quiet_reads_left_behind() -> None:
-    """A failed restore leaves TensorStore reads in flight; each reports its end to the event loop
-    Orbax ran the restore on, which is closed by then, and Python prints that `RuntimeError('Event
-    loop is closed')` as an unraisable exception, seconds later or at exit: a screen of tracebacks
-    under the message that says what is damaged. Those reports alone are dropped from then on;
-    every other unraisable exception goes to the hook that was there before."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_bdlm_quiet", False):
-        return
-
-    def hook(report: Any) -> None:
-        if not (isinstance(report.exc_value, RuntimeError) and str(report.exc_value) == "Event loop is closed"):
-            previous(report)
-
-    hook._bdlm_quiet = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
 
 
 class Checkpointer:
@@ -191,7 +95,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint directory {self.directory} does not exist; check the path, or pass "
                                   "create=True to start a new one")
         handlers: dict[str, Any] = {name: ocp.StandardCheckpointHandler() for name in ARRAY_ITEMS}
-        handlers["meta"] = _meta_handler()
+        handlers["meta"] = meta_handler()
         handlers["data"] = grain.checkpoint.CheckpointHandler()
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create,
                                                enable_async_checkpointing=async_save)
@@ -237,16 +141,16 @@ class Checkpointer:
         recover, naming each shard of `paths` (leaf paths, `saved` their digests) that cannot be
         read; in a group, every process raises it when any process could not read."""
         restored, error = None, None
+        quiet_reads_left_behind()  # before: a failed read may report while the restore still runs
         try:
             restored = self._manager.restore(step, args=args)
         except Exception as err:  # noqa: BLE001  (tensorstore/orbax raise many kinds for a damaged file)
-            _quiet_reads_left_behind()
             unreadable = unreadable_shards(os.path.join(self.directory, str(step)), paths, saved) if paths else []
             if unreadable:
-                error = f"the content of {_named(unreadable)} could not be read"
+                error = f"the content of {named(unreadable)} could not be read"
             else:
                 first = (str(err).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
-                error = f"{what} could not be read ({type(err).__name__}: {_plain(first)[:300]})"
+                error = f"{what} could not be read ({type(err).__name__}: {plain(first)[:300]})"
             if jax.process_count() > 1:  # the others wait in Orbax's barrier at the end of a restore
                 from jax.experimental import multihost_utils
 
@@ -276,7 +180,7 @@ class Checkpointer:
                                       "stage that wrote it")
         damaged = damaged_shards(flat_items(restored), saved)
         if damaged:
-            raise CheckpointCorrupted(f"checkpoint {self.directory} step {step}: the content of {_named(damaged)} "
+            raise CheckpointCorrupted(f"checkpoint {self.directory} step {step}: the content of {named(damaged)} "
                                       f"differs from what was saved; the files are corrupted. {self._recovery(step)}")
 
     def fingerprints(self, step: int | None = None) -> dict[str, Fingerprint]:
@@ -304,7 +208,7 @@ class Checkpointer:
         meta: dict[str, Any] = {
             "step": step,
             "fingerprints": {name: fp.to_json() for name, fp in (fingerprints or {}).items()},
-            "versions": _versions(),
+            "versions": versions(),
             "config": None if config is None else as_plain_dict(config, "save(config=...)"),
             "has_data_state": data_iterator is not None,
             "digests": None if deferred else digest_host_shards(shards),
@@ -319,8 +223,8 @@ class Checkpointer:
                                   f"({err})") from None
         # Orbax refuses empty trees (e.g. plain SGD's optimizer state): such items are left out.
         items: dict[str, Any] = {name: ocp.args.StandardSave(tree) for name, tree in arrays.items() if tree}
-        # a _PendingMeta becomes the mapping inside the commit (`_meta_handler`)
-        pending: Any = _PendingMeta(meta, shards) if deferred else meta
+        # a PendingMeta becomes the mapping inside the commit (`meta_handler`)
+        pending: Any = PendingMeta(meta, functools.partial(digest_host_shards, shards)) if deferred else meta
         items["meta"] = ocp.args.JsonSave(pending)
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
@@ -383,10 +287,10 @@ class Checkpointer:
         self._check_items(arrays_of(target), step, self.read_meta(step))
 
     def _check_items(self, items: Mapping[str, Any], step: int, meta: Mapping[str, Any]) -> None:
+        quiet_reads_left_behind()
         try:
             metadata = self._manager.item_metadata(step)
         except Exception as err:  # noqa: BLE001  (a damaged metadata file)
-            _quiet_reads_left_behind()
             raise CheckpointCorrupted(f"checkpoint {self.directory} step {step}: its array metadata could not be read "
                                       f"({type(err).__name__}). {self._recovery(step)}") from None
         differences = {}
