@@ -103,9 +103,13 @@ def check_adopted(config: Any) -> None:
     for role in ROLES:
         directory = getattr(run.config, role).checkpoint
         if directory:
-            print(adoption(role, directory), file=sys.stderr)
             try:
-                require_compatible(saved_identity(directory), run.identity("student"), SHARED_IDENTITY_KEYS,
+                print(adoption(role, directory), file=sys.stderr)
+                identity = saved_identity(directory)
+            except StageError as err:
+                raise StageError(f"{role}.checkpoint: {err}") from None
+            try:
+                require_compatible(identity, run.identity("student"), SHARED_IDENTITY_KEYS,
                                    context=f"{role} checkpoint {directory} vs this config")
             except FingerprintMismatch as err:
                 raise StageError(f"{err}\nThe {role} must use the config's tokenizer, block size and canvas.") from None
