@@ -90,20 +90,31 @@ def model_config_from_hf(raw: Mapping[str, Any], *, where: str = "config.json", 
     if block is None:
         raise PretrainedError(f"{where}: no block size (neither {' nor '.join(_BLOCK_KEYS)}); an autoregressive "
                               f"checkpoint needs one chosen: pass block_size= (e.g. 4, as SDAR uses)")
-    theta, scaling = _rope(raw, where)
+    tie = raw.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise PretrainedError(f"{where}: tie_word_embeddings = {tie!r}; expected true or false (JSON booleans)")
+    # transformers' Qwen3Config defaults head_dim to 128, not hidden_size / heads (Qwen2's and Llama's)
+    head_dim = raw.get("head_dim") or (128 if model_type == "qwen3" else 0)
     try:
+        theta, scaling = _rope(raw, where)
         return ModelConfig(
             vocab_size=int(vocab_size if vocab_size is not None else raw["vocab_size"]),
             d_model=raw["hidden_size"], n_layers=raw["num_hidden_layers"], n_heads=raw["num_attention_heads"],
             n_kv_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]), d_ff=raw["intermediate_size"],
-            block_size=int(block), rope_theta=theta, norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            block_size=int(block), rope_theta=float(theta), norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             param_dtype=param_dtype, compute_dtype=compute_dtype or param_dtype,
-            tie_embeddings=bool(raw.get("tie_word_embeddings", False)), head_dim=raw.get("head_dim") or 0,
+            tie_embeddings=tie, head_dim=head_dim,
             qk_norm=layout == "qwen3", qkv_bias=layout == "qwen2", rope_scaling=scaling,
             activation=_ACTIVATIONS[act], **overrides)
+    except PretrainedError:
+        raise
     except KeyError as err:
         raise PretrainedError(f"{where}: required key {err.args[0]!r} is missing; the file is not a complete "
                               f"{model_type} config") from None
+    except (TypeError, ValueError, ConfigError) as err:  # a value of the wrong type, or one the decoder refuses
+        raise PretrainedError(f"{where}: {err} (a value of this {model_type} config; check the file's numbers: "
+                              f"hidden_size, num_attention_heads, rope_theta, rms_norm_eps, rope_scaling, ...)") \
+            from None
 
 
 def hf_config(config: ModelConfig, model_type: str, *, base: Mapping[str, Any] | None = None,

@@ -87,8 +87,9 @@ def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = Non
 
 
 def _overridden(config: dict, task: str | None, n: int | None) -> dict:
-    if task is not None:
-        config["task"] = {"name": task}
+    if task is not None:  # another task's data, prompted as the checkpoint was trained (its chat template)
+        kept = {k: v for k, v in config.get("task", {}).items() if k in ("chat_template", "overlong")}
+        config["task"] = {"name": task, **kept}
     if n is not None:
         section = config.get("eval", {})
         config["eval"] = {**section, "n": n, "batch_size": min(n, section.get("batch_size", n))}
@@ -117,7 +118,8 @@ def evaluate(checkpoint: str | Path, *, task: str | None = None, samples: int = 
     correct = int(per_problem["accuracy"].sum())
     intervals = {"accuracy": wilson_interval(correct, result.n).to_dict(),
                  **{k: bootstrap_interval(per_problem[k]).to_dict() for k in result.pass_at_k}}
-    return {"checkpoint": str(checkpoint), "task": run.config.task.name, "n": result.n,
+    section = run.config.task
+    return {"checkpoint": str(checkpoint), "task": section.eval_jsonl or section.name, "n": result.n,
             "greedy": {k: v for k, v in metrics.items() if not k.startswith("pass@")},
             "samples_per_problem": samples, "pass_at_k": dict(result.pass_at_k), "intervals": intervals,
             "best_of": [b.to_dict() for b in result.best_of],

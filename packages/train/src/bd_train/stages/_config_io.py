@@ -48,6 +48,10 @@ def _check_type(value: Any, tp: Any, where: str, base: Any = None) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a table of settings, got {value!r}")
         return build(tp, value, where, base=base if isinstance(base, tp) else None)
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a table (e.g. {{ key = value }}), got {value!r}")
+        return dict(value)
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")

@@ -203,7 +203,8 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             skipped = spec.updates_per_step * (1.0 - row.get("update_applied", 1.0))
             row["skipped_total"] = skipped + previous.get("skipped_total", 0.0)
             history.append(row)
-            if step % cfg.run.log_every == 0 or step >= spec.total:
+            log_every = cfg.run.log_every  # every `log_every` updates, however many a step makes
+            if step // log_every > (step - spec.updates_per_step) // log_every or step >= spec.total:
                 tracker.log(row, step=step)
             postfix = {k: f"{row[k]:.3g}" for k in ("loss", "reward_mean") if k in row}
             seconds["updates"] += 1

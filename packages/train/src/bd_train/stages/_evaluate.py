@@ -257,7 +257,8 @@ def decoding_settings(sampler: SamplerSection, thresholds: Sequence[float]) -> l
     """The accuracy-vs-NFE settings: `sampler` at each confidence threshold, then one token per step
     (the most confident position: a threshold no confidence reaches, which commits what `steps` at
     one per step does, in the same compiled program as the thresholds)."""
-    settings = [(f"τ {t}", dataclasses.replace(sampler, strategy="threshold", threshold=t)) for t in thresholds]
+    settings = [(f"τ {t}", dataclasses.replace(sampler, strategy="threshold", threshold=t, steps_per_block=None))
+                for t in thresholds]
     settings.append((ONE_PER_STEP, dataclasses.replace(sampler, strategy="threshold", threshold=math.inf,
                                                        steps_per_block=None, max_steps_per_block=None)))
     return settings

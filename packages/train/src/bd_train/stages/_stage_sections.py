@@ -53,6 +53,8 @@ class OptimSection:
     def __post_init__(self):
         _positive(lr=self.lr, clip_norm=self.clip_norm, eps=self.eps)
         _nonneg(warmup_steps=self.warmup_steps, weight_decay=self.weight_decay)
+        if not 0 <= self.b2 < 1:
+            raise config_error("", "b2", self.b2, "a decay in [0, 1)", "e.g. 0.99 or 0.999")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +122,8 @@ class SFTSection:
 
     def __post_init__(self):
         _positive(steps=self.steps, batch_size=self.batch_size, microbatches=self.microbatches)
+        if self.teacher_steps is not None:
+            _positive(teacher_steps=self.teacher_steps)
         if self.batch_size % self.microbatches:
             raise ConfigError(f"microbatches: {self.microbatches} does not divide batch_size={self.batch_size}")
 
