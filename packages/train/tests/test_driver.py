@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import tomllib
 from pathlib import Path
@@ -234,3 +235,25 @@ def test_a_checkpoint_names_its_stage_and_adopting_another_stages_is_said(run, t
         checkpoints.save(state, fingerprints={"identity": run.identity("student"), "training": run.training("opd")})
     assert saved_stage(tmp_path / "older") == ("opd", 0)
     assert "stage opd); that is not the student's SFT" in adoption("student", tmp_path / "older")
+
+
+def test_opd_pins_its_teachers_weights_so_a_retrained_teacher_is_refused_by_name(run, tmp_path):
+    """OPD reads its teacher at every update: the teacher's identity alone (architecture and tokens)
+    would let a resume distill from other weights saved in the same folder."""
+    from bd_core import FingerprintMismatch, require_compatible
+    from bd_train.stages._compat import saved_weights
+
+    optimizer = make_optimizer(run.optimizer_config(run.config.sft.optim, 2))
+    folder = tmp_path / "teacher"
+    for seed in (0, 1):  # the same teacher folder, removed and trained again from another initialization
+        shutil.rmtree(folder, ignore_errors=True)
+        with Checkpointer(folder, create=True) as checkpoints:
+            state = run.fresh_state(run.model_config("teacher"), optimizer, key=jax.random.key(seed))
+            checkpoints.save(state, fingerprints={"identity": run.identity("teacher")}, force=True)
+        if seed == 0:
+            first = saved_weights(folder)
+    second = saved_weights(folder)
+    assert first.fields["step"] == second.fields["step"] == 0 and first.fields["model"] is not None
+    with pytest.raises(FingerprintMismatch, match=r"model: saved '[0-9a-f]{12}"):
+        require_compatible(first, second)
+    assert saved_weights(folder) == second  # read again, the same

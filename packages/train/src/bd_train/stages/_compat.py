@@ -4,11 +4,13 @@ architecture), each mismatch refused with every differing field named."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bd_core import ConfigError, Fingerprint, FingerprintMismatch, require_compatible
+from bd_core import ConfigError, Fingerprint, FingerprintMismatch, fingerprint, require_compatible
 from bd_data import CanvasOverflow, ChatTemplateError, JsonlError, TokenizerError
 
 from .._checkpoint import CheckpointError
@@ -52,6 +54,30 @@ def saved_stage(directory: str | Path) -> tuple[str, int]:
         sections = sorted(set(fields) - {"seed", "task", "steps", "chat_template", "data"})
         stage = sections[0] if len(sections) == 1 else "an unknown stage"
     return str(stage), int(meta["step"])
+
+
+def saved_weights(directory: str | Path) -> Fingerprint:
+    """What the model of a stage checkpoint's latest step holds: its step and a digest of the
+    content digests the save recorded for every model array (a checkpoint from before digests
+    were recorded gives its step alone). A stage that reads another's model at every update pins
+    it (OPD its teacher, GRPO the model it starts from, its KL reference), so a resume against
+    other weights is refused; by content, not by path, so a moved run folder still resumes."""
+    checkpoints = open_checkpoints(directory, create=False)
+    try:
+        meta = checkpoints.read_meta()
+    except CheckpointError as err:
+        raise StageError(str(err)) from None
+    finally:
+        checkpoints.close()
+    model = {path: shards for path, shards in sorted((meta.get("digests") or {}).items()) if path.startswith("model/")}
+    content = hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest() if model else None
+    return fingerprint({"step": int(meta["step"]), "model": content})
+
+
+def teacher_pins(teacher: StageResult) -> dict[str, Fingerprint]:
+    """What OPD's checkpoints pin of its teacher: what it is (`teacher`: its identity) and what
+    its weights are (`teacher_weights`), which OPD reads at every update."""
+    return {"teacher": teacher.fingerprint, "teacher_weights": saved_weights(teacher.checkpoint_dir)}
 
 
 def adoption(role: str, directory: str | Path) -> str:

@@ -20,7 +20,7 @@ from ._sections import MeshSection, ModelSection, TaskSection, TokenizerSection
 from ._stage_sections import EvalSection, GRPOSection, OPDSection, RFTSection, SFTSection
 
 # What a stage's checkpoints pin (`[run] allow_changes` names fields under these).
-PINNED = ("identity", "training", "teacher", "rollout", "adapters", "start")
+PINNED = ("identity", "training", "teacher", "teacher_weights", "rollout", "adapters", "start")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from .._grpo import distribution_score, make_grpo_loss
 from .._optim import make_optimizer
 from .._trainer import Trainer, TrainerConfig
+from ._compat import saved_weights
 from ._driver import StageResult, StageSpec, drive
 from ._rollout import grpo_config, rollout_batch
 from ._run import Run, RunDir
@@ -76,7 +77,9 @@ def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int 
 
     spec = StageSpec("grpo", "student", "GRPO", total,
                      {"identity": identity, "rollout": run.rollout_semantics(section.sampler),
-                      "training": run.training("grpo"), **adapters},
+                      "training": run.training("grpo"), **adapters,
+                      # the model GRPO starts from is its KL reference at every update ([opd] guard picks it)
+                      "start": saved_weights(start.checkpoint_dir)},
                      optimizer.learning_rate_schedule(), GRPO_CURVES, keys["eval"], mesh, section.updates_per_rollout,
                      start=start)
     return drive(run, spec, state, step_fn, prompts, fail_after=fail_after)

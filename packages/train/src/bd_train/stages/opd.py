@@ -25,6 +25,7 @@ from .._opd import OPDConfig, make_opd_loss, teacher_head
 from .._optim import make_optimizer
 from .._replay import build_replay, replay_capacity
 from .._trainer import Trainer, TrainerConfig
+from ._compat import teacher_pins
 from ._driver import StageResult, StageSpec, drive, mesh_scope
 from ._evaluate import eval_examples, evaluate
 from ._guard import Guard, comparable
@@ -111,7 +112,7 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
         state, metrics = trainer.step(state, batch)
         return state, {**metrics, **out.metrics()}
 
-    pinned = {"identity": identity, "teacher": teacher.fingerprint, "training": run.training("opd"), **adapters}
+    pinned = {"identity": identity, **teacher_pins(teacher), "training": run.training("opd"), **adapters}
     spec = StageSpec("opd", "student", "OPD", section.steps, pinned, optimizer.learning_rate_schedule(), OPD_CURVES,
                      keys["eval"], mesh, start=student, guard=guard)
     return drive(run, spec, state, step_fn, prompts, fail_after=fail_after)
