@@ -187,3 +187,29 @@ def test_a_hub_repo_pins_its_commit_and_a_moved_branch_is_refused_by_name(hub_ca
 def test_a_revision_without_a_repo_is_refused_by_name():
     with pytest.raises(ConfigError, match="revision: 'v1' is given without pretrained"):
         parse_pipeline_config({"student": {"revision": "v1"}})
+
+
+def test_sft_from_another_stages_model_with_lora_trains_adapters_on_it_and_reads_back(tmp_path):
+    """`run_sft(start=...)` with LoRA in `sft`: adapters on the start model (which stays frozen),
+    pinned to that checkpoint, so what it saves restores. It used to train every weight while
+    pinning adapters, and the result could not be read back."""
+    from bd_models import count_params
+    from bd_train import Checkpointer, TrainState
+
+    preset = _preset(FIXTURES / "sdar", FIXTURES / "sdar")
+    preset["student"]["lora"] = {"rank": 2, "stages": ["sft"]}
+    run = Run(parse_pipeline_config(preset))
+    config, identity, optimizer = run.model_config("student"), run.identity("student"), _optimizer()
+    start = tmp_path / "opd"
+    with Checkpointer(start) as checkpoints:
+        checkpoints.save(TrainState.init(run.pretrained_model("student"), optimizer, key=jax.random.key(0)),
+                         fingerprints={"identity": identity})
+    state = run.initial_state("student", config, optimizer, key=jax.random.key(1), start=("opd", str(start)))
+    counts = count_params(state.model)
+    assert 0 < counts["trained"] < counts["total"] // 10
+    pinned = {"identity": identity, **run.adapters_pin(state.model, run.lora("student", "sft"),
+                                                       {"checkpoint": str(start)})}
+    with Checkpointer(tmp_path / "sft-student") as checkpoints:
+        checkpoints.save(state, fingerprints=pinned)
+    restored = run.restore_model(tmp_path / "sft-student", config, identity, what="the SFT result")
+    assert restored.config == config

@@ -241,16 +241,15 @@ class Run(RunData):
         if start is not None:
             model = self.restore_model(start[1], model_config, self.identity(role),
                                        what=f"the {start[0]} checkpoint SFT starts from", mesh=mesh)
-            state = TrainState.init(model, optimizer, key=jax.random.split(key)[1])
-            return state if mesh is not None else committed(state)
-        if not getattr(self.config, role).folder:
+        elif not getattr(self.config, role).folder:
             return self.fresh_state(model_config, optimizer, key=key, mesh=mesh)
-        model = self.pretrained_model(role, mesh=mesh)
-        if model.config != model_config:
-            raise StageError(f"{role}: the model read from {getattr(self.config, role).folder} is not the "
-                             f"configured one ({model.config} vs {model_config})")
+        else:
+            model = self.pretrained_model(role, mesh=mesh)
+            if model.config != model_config:
+                raise StageError(f"{role}: the model read from {getattr(self.config, role).folder} is not the "
+                                 f"configured one ({model.config} vs {model_config})")
         lora = self.lora(role, "sft")
-        if lora is not None:
+        if lora is not None:  # adapters on the model SFT starts from, which stays frozen
             model = self.adapt(model, lora, f"sft-{role}")
         state = TrainState.init(model, optimizer, key=jax.random.split(key)[1])
         return state if mesh is not None else committed(state)

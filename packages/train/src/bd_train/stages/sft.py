@@ -67,7 +67,8 @@ def run_sft(config: Any, where: RunDir, *, role: str, start: StageResult | None 
         return state, dict(metrics, tokens=float(batch.denom_weights.sum()))
 
     pinned = {"identity": run.identity(role), "training": run.training(stage),
-              **run.adapters_pin(state.model, run.lora(role, "sft"), {"pretrained": role}),
+              **run.adapters_pin(state.model, run.lora(role, "sft"),
+                                 {"pretrained": role} if start is None else {"checkpoint": start.checkpoint_dir}),
               **({} if start is None else {"start": fingerprint({"checkpoint": start.checkpoint_dir})})}
     spec = StageSpec(stage, role, "SFT", steps, pinned, optimizer.learning_rate_schedule(), SFT_CURVES, keys["eval"],
                      mesh, start=start)
