@@ -257,3 +257,17 @@ def test_opd_pins_its_teachers_weights_so_a_retrained_teacher_is_refused_by_name
     with pytest.raises(FingerprintMismatch, match=r"model: saved '[0-9a-f]{12}"):
         require_compatible(first, second)
     assert saved_weights(folder) == second  # read again, the same
+
+
+def test_a_distilled_or_adopted_checkpoint_is_computed_as_its_role_says():
+    """OPD's teacher and an adopted SFT are built from the architecture their identity records,
+    which leaves out how the model is computed: that comes from `[teacher]`/`[student]` (it used
+    to fall back to bd_models' defaults, e.g. `blocked` where the preset asked for `splash`)."""
+    from bd_train.stages._compat import saved_model_config
+
+    data = tomllib.loads(SMOKE.read_text())
+    data["teacher"].update(attention="dense", remat="full", logits_chunk=4)
+    run = Run(parse_pipeline_config(data))
+    config = saved_model_config(run, run.identity("teacher"), "teacher")
+    assert (config.attention, config.remat, config.logits_chunk) == ("dense", "full", 4)
+    assert config == run.model_config("teacher")

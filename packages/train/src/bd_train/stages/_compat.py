@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from bd_core import ConfigError, Fingerprint, FingerprintMismatch, fingerprint, require_compatible
 from bd_data import CanvasOverflow, ChatTemplateError, JsonlError, TokenizerError
+from bd_models import ModelConfig
 
 from .._checkpoint import CheckpointError
-from ._run import ROLES, Run, StageError, open_checkpoints
+from ._run import EXECUTION_FIELDS, ROLES, Run, StageError, open_checkpoints
 
 if TYPE_CHECKING:
     from ._driver import StageResult
@@ -23,6 +24,14 @@ if TYPE_CHECKING:
 # tokens and blocks, nothing about the architecture.
 SHARED_IDENTITY_KEYS = ("tokenizer", "vocab_size", "mask_id", "pad_id", "eos_id", "block_size", "canvas_policy",
                         "prompt_len", "max_new_tokens", "alignment")
+
+def saved_model_config(run: Run, identity: Fingerprint, role: str) -> ModelConfig:
+    """The architecture a checkpoint's `identity` records, computed as `[role]` says (attention,
+    tiles, remat, logits chunks: what an identity leaves out): an adopted SFT's, or OPD's teacher."""
+    kwargs = getattr(run.config, role).model_kwargs()
+    return ModelConfig.from_dict({**identity.fields["architecture"],
+                                  **{k: kwargs[k] for k in EXECUTION_FIELDS if k in kwargs}})
+
 
 def saved_identity(directory: str | Path) -> Fingerprint:
     """The identity fingerprint a stage checkpoint was saved with."""

@@ -19,13 +19,13 @@ import equinox as eqx
 import jax
 
 from bd_core import DistillationBatch
-from bd_models import ModelConfig, batch_sharding
+from bd_models import batch_sharding
 
 from .._opd import OPDConfig, make_opd_loss, teacher_head
 from .._optim import make_optimizer
 from .._replay import build_replay, replay_capacity
 from .._trainer import Trainer, TrainerConfig
-from ._compat import teacher_pins
+from ._compat import saved_model_config, teacher_pins
 from ._driver import StageResult, StageSpec, drive, mesh_scope
 from ._evaluate import eval_examples, evaluate
 from ._guard import Guard, comparable
@@ -71,7 +71,7 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
     run.enable_compilation_cache()
     section = run.config.opd
     mask_id = run.tokenizer.mask_id
-    teacher_config = ModelConfig.from_dict(teacher.fingerprint.fields["architecture"])
+    teacher_config = saved_model_config(run, teacher.fingerprint, "teacher")
     mesh = run.mesh(run.model_config("student"), teacher_config,
                     batch_size=section.prompts_per_step // section.microbatches)
     teacher_model = run.restore_model(teacher.checkpoint_dir, teacher_config, teacher.fingerprint,

@@ -10,12 +10,11 @@ from typing import Any
 import jax
 
 from bd_core import fingerprint, require_compatible
-from bd_models import ModelConfig
 
 from .._optim import make_optimizer
 from .._sft import sft_objective
 from .._trainer import Trainer, TrainerConfig
-from ._compat import SHARED_IDENTITY_KEYS, saved_identity
+from ._compat import SHARED_IDENTITY_KEYS, saved_identity, saved_model_config
 from ._driver import StageResult, StageSpec, drive, mesh_scope
 from ._evaluate import evaluate
 from ._rollout import on_mesh
@@ -87,7 +86,7 @@ def adopt(run: Run, role: str) -> StageResult:
         require_compatible(identity, run.identity(role), SHARED_IDENTITY_KEYS)
     except ValueError:
         return result
-    model_config = ModelConfig.from_dict(identity.fields["architecture"])
+    model_config = saved_model_config(run, identity, role)
     mesh = run.mesh(model_config, batch_size=cfg.sft.batch_size // cfg.sft.microbatches)
     model = run.restore_model(directory, model_config, identity, what=f"{role} checkpoint", mesh=mesh)
     with mesh_scope(mesh):
