@@ -90,7 +90,7 @@ def test_the_studys_rft_arm_samples_as_its_grpo_arm(tmp_path):
         ("[eval]\nsamples = 0\nbest_of = ['vote']\n", "eval.best_of: expected no rules while samples = 0"),
         # refused when the preset loads, not when the stage that reads them starts after others trained
         ("[grpo]\nsampler = { top_p = 1.5 }\n", "grpo.sampler.top_p: expected a number in (0, 1]"),
-        ("[eval.sampler]\ntemperature = -1.0\n", "eval.sampler.temperature: expected a finite number >= 0"),
+        ("[eval.sampler]\ntemperature = -1.0\n", "eval.sampler.temperature: expected 0 (greedy) or a finite number"),
         ("[opd.sampler]\nstrategy = 'steps'\nsteps_per_block = 0\n",
          "opd.sampler.steps_per_block: expected an int >= 1"),
         ("[grpo]\nepsilon_low = 1.5\n", "grpo.epsilon_low: expected a value in [0, 1), got 1.5"),
@@ -101,6 +101,10 @@ def test_the_studys_rft_arm_samples_as_its_grpo_arm(tmp_path):
         ("[run]\nallow_changes = ['sft.optim.lr']\n", "run.allow_changes: expected a fingerprint field under one of"),
         ("[run]\nallow_changes = ['training.grpo.optim.lrr']\n",
          "run.allow_changes: 'training.grpo.optim.lrr': [grpo.optim] has no key 'lrr'"),
+        ("[task]\nname = 'sort'\nparams = 4\n", "task.params: expected a table (e.g. { key = value }), got 4"),
+        ("[sft]\nteacher_steps = -1\n", "sft.teacher_steps: expected a value > 0, got -1"),
+        ("[grpo.optim]\nb2 = 1.0\n", "grpo.optim.b2: expected a decay in [0, 1), got 1.0"),
+        ("[eval.sampler]\ntemperature = 1e-39\n", "a smaller one overflows float32 logits / temperature into NaN"),
     ],
 )
 def test_config_errors_name_the_key(text, message):

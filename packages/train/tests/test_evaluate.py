@@ -101,3 +101,18 @@ def test_a_step_folder_or_a_missing_path_is_refused_naming_what_to_give(checkpoi
         load(missing)
     with pytest.raises(ConfigError, match=r"^--checkpoint .*/nope: "):  # the flag, not teacher.pretrained
         load(missing, config=SMOKE.read_text())
+
+
+def test_another_task_keeps_the_prompt_format_and_every_decoding_setting_builds():
+    """`--task` swaps the problems, not how prompts are written (the checkpoint's chat template);
+    the accuracy-vs-NFE settings build from a `steps` sampler too (they crashed after training)."""
+    from bd_train.evaluate import _overridden
+    from bd_train.stages import Run
+    from bd_train.stages._evaluate import decoding_settings
+
+    config = {"task": {"name": "sort", "params": {"length": 4}, "chat_template": True, "overlong": "skip"}}
+    assert _overridden(config, "argsort", None)["task"] == {"name": "argsort", "chat_template": True,
+                                                            "overlong": "skip"}
+    run = Run(parse_pipeline_config({"eval": {"sampler": {"strategy": "steps", "steps_per_block": 2}}}))
+    settings = decoding_settings(run.config.eval.sampler, (0.5, 0.9))
+    assert [run.sampler_config(section).strategy for _, section in settings] == ["threshold"] * 3

@@ -59,8 +59,10 @@ class SamplingDistribution(eqx.Module):
     def __init__(self, temperature: float | int = 1.0, top_k: int | None = None, top_p: float | int | None = None,
                  banned_ids: Sequence[int] = ()):
         if not _is_number(temperature) or not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):
+            tiny = _is_number(temperature) and 0 < temperature < MIN_TEMPERATURE
             raise config_error(OWNER, "temperature", temperature, f"0 (greedy) or a finite number >= {MIN_TEMPERATURE}",
-                               "a smaller one overflows float32 logits / temperature into NaN log-probs")
+                               "a smaller one overflows float32 logits / temperature into NaN log-probs; use 0 for "
+                               "greedy" if tiny else None)
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise config_error(OWNER, "top_k", top_k, "an int >= 1, or None to disable")
         if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
