@@ -146,6 +146,18 @@ def test_chat_source_sets_prompt_ids_and_keeps_the_text():
         assert templated.token_ids(tok)[0].tolist() == template.encode(raw.prompt, tok).tolist()
 
 
+def test_chat_source_refuses_examples_that_already_carry_prompt_ids(tmp_path):
+    """`load_jsonl(..., canvas=...)` encodes the raw prompts: wrapped in a ChatSource they were
+    passed through untemplated, silently."""
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+    tok = ByteTokenizer()
+    loaded = load_jsonl(path, tokenizer=tok, canvas=CanvasConfig(prompt_len=32, max_new_tokens=4, block_size=4))
+    with pytest.raises(ChatTemplateError, match=r"example 0 already carries prompt ids .* load_jsonl\(\.\.\., "
+                                                r"chat_template=\.\.\.\)"):
+        ChatSource(loaded, ChatTemplate(TEMPLATE), tok)[0]
+
+
 def test_jsonl_lengths_count_the_rendered_prompt(tmp_path):
     tok, template = ByteTokenizer(), ChatTemplate(TEMPLATE)
     path = tmp_path / "d.jsonl"

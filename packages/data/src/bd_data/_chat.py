@@ -196,8 +196,11 @@ def load_chat_template(spec: bool | str | Path | None, tokenizer_folder: str | P
 @dataclasses.dataclass(frozen=True)
 class ChatSource(Sequence):
     """`source`'s examples with their prompts rendered by `template` (`Example.prompt_ids`); the
-    prompt text stays the example's, for rewards and display. Examples that already carry prompt
-    ids (the JSONL loader's, fitted to the canvas) are passed through."""
+    prompt text stays the example's, for rewards and display. An example that already carries
+    prompt ids (`load_jsonl(..., canvas=...)`'s, raw or rendered) is refused: whether they are
+    this template's cannot be told, and raw ones would be trained and sampled on silently. Give
+    JSONL files their template with `load_jsonl(..., chat_template=...)`, which also fits the
+    rendered prompts to the canvas."""
 
     source: Sequence[Example]
     template: ChatTemplate
@@ -209,5 +212,7 @@ class ChatSource(Sequence):
     def __getitem__(self, index: int) -> Example:
         example = self.source[index]
         if example.prompt_ids is not None:
-            return example
+            raise ChatTemplateError(f"ChatSource: example {index} already carries prompt ids (load_jsonl with "
+                                    f"canvas= encodes them); give the template to load_jsonl(..., chat_template=...) "
+                                    f"instead of wrapping its source in ChatSource")
         return dataclasses.replace(example, prompt_ids=self.template.encode(example.prompt, self.tokenizer))
