@@ -203,3 +203,16 @@ def test_the_tokenizer_config_is_read_once_for_tokens_and_templates(tmp_path):
         tokenizer_config(broken)
     with pytest.raises(ChatTemplateError, match=r"broken/tokenizer_config\.json: not valid JSON"):
         ChatTemplate.from_tokenizer(broken)
+
+
+def test_special_tokens_left_out_of_the_config_come_from_special_tokens_map(tmp_path):
+    """Older checkpoints keep `bos_token` in special_tokens_map.json (transformers reads both): a
+    template's `{{ bos_token }}` rendered empty without it."""
+    from bd_data import special_tokens, tokenizer_config
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "</s>", "chat_template": "{{ bos_token }}[INST] {{ messages[0]['content'] }} [/INST]"}))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "<other>"}))
+    assert special_tokens(tokenizer_config(tmp_path)) == {"bos_token": "<s>", "eos_token": "</s>"}  # the config's wins
+    assert ChatTemplate.from_tokenizer(tmp_path).render("hi") == "<s>[INST] hi [/INST]"

@@ -22,13 +22,23 @@ class TokenizerError(ValueError):
 
 
 CONFIG_FILE = "tokenizer_config.json"
+MAP_FILE = "special_tokens_map.json"
 # The named special tokens of a tokenizer_config.json (transformers' `special_tokens_map`).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def tokenizer_config(folder: str | Path) -> dict:
-    """`folder`'s tokenizer_config.json as a dict; empty where the folder has none."""
-    file = Path(folder) / CONFIG_FILE
+    """`folder`'s tokenizer_config.json as a dict (empty where the folder has none), with the
+    special tokens it leaves out read from special_tokens_map.json, where older checkpoints keep
+    `bos_token` / `eos_token` (transformers reads both)."""
+    config = _json_file(Path(folder) / CONFIG_FILE)
+    for name, value in _json_file(Path(folder) / MAP_FILE).items():
+        if name in SPECIAL_TOKEN_NAMES and config.get(name) is None:
+            config[name] = value
+    return config
+
+
+def _json_file(file: Path) -> dict:
     if not file.is_file():
         return {}
     try:
