@@ -216,3 +216,16 @@ def test_special_tokens_left_out_of_the_config_come_from_special_tokens_map(tmp_
         {"bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "<other>"}))
     assert special_tokens(tokenizer_config(tmp_path)) == {"bos_token": "<s>", "eos_token": "</s>"}  # the config's wins
     assert ChatTemplate.from_tokenizer(tmp_path).render("hi") == "<s>[INST] hi [/INST]"
+
+
+def test_templates_with_generation_blocks_render_their_body():
+    """Training templates mark the assistant's turn with `{% generation %}` (transformers'
+    AssistantTracker); they were refused as an unknown tag."""
+    from bd_data._chat import _compiled
+
+    source = ("{% for m in messages %}<{{ m['role'] }}>{% if m['role'] == 'assistant' %}{% generation %}"
+              "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert ChatTemplate(source).render("hi") == "<user>hi<assistant>"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "4"}]
+    assert _compiled(source).render(messages=messages, add_generation_prompt=False) == "<user>hi<assistant>4"

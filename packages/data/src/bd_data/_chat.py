@@ -29,9 +29,11 @@ class ChatTemplateError(ValueError):
 
 def _environment():
     # What transformers gives a template: a sandbox that cannot mutate its inputs, blocks trimmed as
-    # in its own templates, loop controls, a `tojson` that leaves non-ASCII and HTML characters
-    # alone, and the `raise_exception` / `strftime_now` globals.
+    # in its own templates, loop controls, `{% generation %}` blocks, a `tojson` that leaves
+    # non-ASCII and HTML characters alone, and the `raise_exception` / `strftime_now` globals.
     import jinja2
+    import jinja2.ext
+    import jinja2.nodes
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -42,7 +44,18 @@ def _environment():
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class Generation(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` (transformers' AssistantTracker marks the
+        assistant's tokens with it for its masks): rendered as its body, which is all a prompt needs."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, Generation])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
