@@ -29,7 +29,10 @@ class CanvasConfig:
 
     `policy`: `block_aligned` — the RoPE position of a slot is its index (padding counted);
     `contiguous` — the same slots and blocks, but positions skip the padding (the first prompt
-    token is position 0 and the completion continues right after the prompt).
+    token is position 0 and the completion continues right after the prompt). `bd_models.sample`
+    decodes at block-aligned positions (it takes no positions): a model trained on `contiguous`
+    ones would be sampled at positions it did not train on, which is why the pipeline, whose
+    stages sample, refuses `contiguous`; it is for SFT and likelihoods on their own.
 
     Attributes:
         prompt_len: P, prompt tokens (a multiple of `block_size`); prompts are left-padded to it.
