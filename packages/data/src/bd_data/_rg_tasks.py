@@ -170,8 +170,7 @@ class MiniSudokuTask(ReasoningGymTask):
         if not isinstance(completion, str) or len(completion) > MAX_COMPLETION_CHARS:
             return MALFORMED
         entry = {"answer": example.answer, "metadata": {"solution": _grid(example.answer)}}
-        # the grid without the spaces or newline a tokenizer may put around it (as the other tasks strip)
-        return float(self.library_dataset().score_answer(completion.strip(), entry))
+        return float(self.library_dataset().score_answer(completion, entry))
 
 
 @dataclasses.dataclass(frozen=True)
