@@ -33,15 +33,21 @@ def saved_model_config(run: Run, identity: Fingerprint, role: str) -> ModelConfi
                                   **{k: kwargs[k] for k in EXECUTION_FIELDS if k in kwargs}})
 
 
-def saved_identity(directory: str | Path) -> Fingerprint:
-    """The identity fingerprint a stage checkpoint was saved with."""
+def _latest_meta(directory: str | Path) -> dict[str, Any]:
+    """The metadata of a stage checkpoint folder's latest step."""
     checkpoints = open_checkpoints(directory, create=False)
     try:
-        fingerprints = checkpoints.fingerprints()
+        return checkpoints.read_meta()
     except CheckpointError as err:
         raise StageError(str(err)) from None
     finally:
         checkpoints.close()
+
+
+def saved_identity(directory: str | Path) -> Fingerprint:
+    """The identity fingerprint a stage checkpoint was saved with."""
+    fingerprints = {name: Fingerprint.from_json(record)
+                    for name, record in (_latest_meta(directory).get("fingerprints") or {}).items()}
     if "identity" not in fingerprints:
         raise StageError(f"checkpoint {directory} records no model identity; it was not written by a bdlm stage")
     return fingerprints["identity"]
@@ -50,13 +56,7 @@ def saved_identity(directory: str | Path) -> Fingerprint:
 def saved_stage(directory: str | Path) -> tuple[str, int]:
     """Which stage wrote a stage checkpoint, and its latest step. A checkpoint from before the
     stage was recorded is named by its training section (`"sft"`, `"opd"`, ...)."""
-    checkpoints = open_checkpoints(directory, create=False)
-    try:
-        meta = checkpoints.read_meta()
-    except CheckpointError as err:
-        raise StageError(str(err)) from None
-    finally:
-        checkpoints.close()
+    meta = _latest_meta(directory)
     stage = (meta.get("extra") or {}).get("stage")
     if stage is None:  # the training fingerprint's one stage section
         fields = ((meta.get("fingerprints") or {}).get("training") or {}).get("fields") or {}
@@ -71,13 +71,7 @@ def saved_weights(directory: str | Path) -> Fingerprint:
     were recorded gives its step alone). A stage that reads another's model at every update pins
     it (OPD its teacher, GRPO the model it starts from, its KL reference), so a resume against
     other weights is refused; by content, not by path, so a moved run folder still resumes."""
-    checkpoints = open_checkpoints(directory, create=False)
-    try:
-        meta = checkpoints.read_meta()
-    except CheckpointError as err:
-        raise StageError(str(err)) from None
-    finally:
-        checkpoints.close()
+    meta = _latest_meta(directory)
     model = {path: shards for path, shards in sorted((meta.get("digests") or {}).items()) if path.startswith("model/")}
     content = hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest() if model else None
     return fingerprint({"step": int(meta["step"]), "model": content})
