@@ -62,6 +62,7 @@ class MathTask(Task):
     max_chars: int = 512
     timeout_s: float = 1.0
     name: ClassVar[str] = "math"
+    file_params: ClassVar[tuple[str, ...]] = ("path", "eval_path")
 
     def __post_init__(self):
         super().__post_init__()

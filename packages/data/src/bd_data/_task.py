@@ -43,10 +43,13 @@ def check_split(split: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Task(abc.ABC):
-    """A verifiable task; subclasses are frozen dataclasses whose fields are its params."""
+    """A verifiable task; subclasses are frozen dataclasses whose fields are its params.
+    `file_params` names the params that are paths of data files it reads (what a run pins by
+    their bytes); a generated task reads none."""
 
     seed: int = 0
     name: ClassVar[str]
+    file_params: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self):
         if not isinstance(self.seed, int) or self.seed < 0:

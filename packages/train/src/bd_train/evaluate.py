@@ -30,9 +30,9 @@ import jax
 
 from bd_core import ConfigError, Fingerprint, is_repo_id
 from bd_data import CanvasOverflow, JsonlError, TokenizerError
+from bd_models import ModelConfig
 
 from ._checkpoint import CheckpointError
-from .stages._compat import saved_model_config
 from .stages._config import parse_pipeline_config
 from .stages._evaluate import evaluate_report, pass_at_k
 from .stages._intervals import bootstrap_interval, wilson_interval
@@ -82,8 +82,9 @@ def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = Non
                          "written by a bdlm stage (runs/pipeline/<run>/checkpoints/<stage>)")
     run = Run(parse_pipeline_config(_overridden(dict(meta["config"]), task, n)))
     identity = Fingerprint.from_json(meta["fingerprints"]["identity"])
-    role = "teacher" if (meta.get("extra") or {}).get("stage") == "sft-teacher" else "student"
-    model_config = saved_model_config(run, identity, role)  # computed as the run computed it
+    # bd_models' default attention, which runs on every backend (a checkpoint trained with TPU's
+    # splash kernels is evaluated on a GPU or CPU too)
+    model_config = ModelConfig.from_dict(identity.fields["architecture"])
     return run, run.restore_model(checkpoint, model_config, identity, what=f"checkpoint {checkpoint}")
 
 

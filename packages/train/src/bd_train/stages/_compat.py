@@ -70,7 +70,7 @@ def saved_weights(directory: str | Path) -> Fingerprint:
     content digests the save recorded for every model array (a checkpoint from before digests
     were recorded gives its step alone). A stage that reads another's model at every update pins
     it (OPD its teacher, GRPO the model it starts from, its KL reference), so a resume against
-    other weights is refused; by content, not by path, so a moved run folder still resumes."""
+    other weights is refused. By content, not by the folder's path."""
     meta = _latest_meta(directory)
     model = {path: shards for path, shards in sorted((meta.get("digests") or {}).items()) if path.startswith("model/")}
     content = hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest() if model else None

@@ -106,14 +106,14 @@ class RunData:
     @functools.cached_property
     def data_digests(self) -> dict[str, str]:
         """The SHA-256 of each data file the run reads, by its preset key: `[task]`'s JSONL files, or
-        a built-in task's file params (`math`'s `path`). The stages' checkpoints pin them, so a
-        file edited at the same path is not trained on unnoticed."""
+        a built-in task's file params (`Task.file_params`: `math`'s `path` and `eval_path`). The
+        stages' checkpoints pin them, so a file edited at the same path is not trained on unnoticed."""
         task = self.config.task
         if self.task is None:
             files = {key: cast(str, getattr(task, key)) for key in ("train_jsonl", "eval_jsonl")}
         else:
-            files = {f"params.{k}": v for k, v in sorted(task.params.items())
-                     if isinstance(v, str) and Path(v).is_file()}
+            files = {f"params.{k}": getattr(self.task, k) for k in self.task.file_params
+                     if getattr(self.task, k) is not None}
         digests = {}
         for key, path in files.items():
             try:

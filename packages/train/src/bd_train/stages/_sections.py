@@ -91,7 +91,8 @@ class TaskSection:
 class TokenizerSection:
     """The byte-level tokenizer (default), a local HF `tokenizer.json`, or (no `path`, a pretrained
     model) the checkpoint's own `tokenizer.json`. `mask_token` / `eos_token` default to those its
-    `tokenizer_config.json` names, else `<|mask|>` / `<|endoftext|>`; `add_mask_token` adds a
+    `tokenizer_config.json` names (or, where it names none, its `special_tokens_map.json`), else
+    `<|mask|>` / `<|endoftext|>`; `add_mask_token` adds a
     mask token the tokenizer lacks (an autoregressive checkpoint's), growing the embedding by a row
     initialized to the mean of the others.
 
