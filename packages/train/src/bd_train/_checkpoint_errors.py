@@ -67,11 +67,12 @@ def quiet_reads_left_behind() -> None:
         if not (isinstance(report.exc_value, RuntimeError) and str(report.exc_value) == "Event loop is closed"):
             previous(report)
 
-    def left_behind(record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        return not (text.startswith(("Future exception was never retrieved", "Task exception was never retrieved"))
-                    and "tensorstore" in text.lower())
-
     hook._bdlm_quiet = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
-    logging.getLogger("asyncio").addFilter(left_behind)
+    logging.getLogger("asyncio").addFilter(_not_left_behind)  # once: a logger keeps one of each filter
+
+
+def _not_left_behind(record: logging.LogRecord) -> bool:
+    text = record.getMessage()
+    return not (text.startswith(("Future exception was never retrieved", "Task exception was never retrieved"))
+                and "tensorstore" in text.lower())

@@ -44,19 +44,19 @@ def _latest_meta(directory: str | Path) -> dict[str, Any]:
         checkpoints.close()
 
 
-def saved_identity(directory: str | Path) -> Fingerprint:
-    """The identity fingerprint a stage checkpoint was saved with."""
-    fingerprints = {name: Fingerprint.from_json(record)
-                    for name, record in (_latest_meta(directory).get("fingerprints") or {}).items()}
-    if "identity" not in fingerprints:
+def saved_identity(directory: str | Path, meta: dict[str, Any] | None = None) -> Fingerprint:
+    """The identity fingerprint a stage checkpoint was saved with (`meta`: its latest step's
+    metadata, if read already)."""
+    record = ((_latest_meta(directory) if meta is None else meta).get("fingerprints") or {}).get("identity")
+    if record is None:
         raise StageError(f"checkpoint {directory} records no model identity; it was not written by a bdlm stage")
-    return fingerprints["identity"]
+    return Fingerprint.from_json(record)
 
 
-def saved_stage(directory: str | Path) -> tuple[str, int]:
-    """Which stage wrote a stage checkpoint, and its latest step. A checkpoint from before the
-    stage was recorded is named by its training section (`"sft"`, `"opd"`, ...)."""
-    meta = _latest_meta(directory)
+def saved_stage(directory: str | Path, meta: dict[str, Any] | None = None) -> tuple[str, int]:
+    """Which stage wrote a stage checkpoint, and its latest step (`meta` as in `saved_identity`).
+    A checkpoint from before the stage was recorded is named by its training section (`"sft"`, ...)."""
+    meta = _latest_meta(directory) if meta is None else meta
     stage = (meta.get("extra") or {}).get("stage")
     if stage is None:  # the training fingerprint's one stage section
         fields = ((meta.get("fingerprints") or {}).get("training") or {}).get("fields") or {}
@@ -83,11 +83,11 @@ def teacher_pins(teacher: StageResult) -> dict[str, Fingerprint]:
     return {"teacher": teacher.fingerprint, "teacher_weights": saved_weights(teacher.checkpoint_dir)}
 
 
-def adoption(role: str, directory: str | Path) -> str:
+def adoption(role: str, directory: str | Path, meta: dict[str, Any] | None = None) -> str:
     """One line saying what `[role] checkpoint` adopts: the folder, its step and the stage that
     wrote it, with a warning when that is not the role's own SFT (another stage's model, or the
     other role's, is adopted as it is: allowed, but rarely meant)."""
-    stage, step = saved_stage(directory)
+    stage, step = saved_stage(directory, meta)
     line = f"{role}.checkpoint: adopting {directory} (step {step}, written by stage {stage})"
     if stage not in (f"sft-{role}", "sft"):
         line += (f"; that is not the {role}'s SFT (sft-{role}), so the {role} is that stage's model as it is. "
@@ -133,8 +133,9 @@ def check_adopted(config: Any) -> None:
         directory = getattr(run.config, role).checkpoint
         if directory:
             try:
-                print(adoption(role, directory), file=sys.stderr)
-                identity = saved_identity(directory)
+                meta = _latest_meta(directory)  # read once for what it is and who wrote it
+                print(adoption(role, directory, meta), file=sys.stderr)
+                identity = saved_identity(directory, meta)
             except StageError as err:
                 raise StageError(f"{role}.checkpoint: {err}") from None
             try:
