@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import equinox as eqx
 import jax
@@ -150,6 +151,26 @@ def test_sigterm_saves_the_current_step_and_stops(tmp_path, toy_model, batch_fac
         result = train_loop(trainer, state, batches, num_steps=50, checkpointer=checkpointer, on_step=preempt)
         assert result.preempted and int(result.state.step) == 3
         assert checkpointer.all_steps() == [3]
+    assert signal.getsignal(signal.SIGTERM) == previous
+
+
+@pytest.mark.parametrize("during", ["periodic", "final"])
+def test_a_sigterm_after_the_last_updates_check_still_stops_the_process(during):
+    """A SIGTERM during the last step's periodic save, or the final save, came after the loop's
+    last look at the flag: it was swallowed, and the process went on into the next stage."""
+    from bd_train._loop import run_updates
+
+    saves = []
+
+    def save(state, final):
+        saves.append((state.step, final))
+        if state.step == 4 and final == (during == "final"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    state, preempted = run_updates(SimpleNamespace(step=0), 4, lambda s: (SimpleNamespace(step=s.step + 1), {}),
+                                   save=save, save_every=2)
+    assert state.step == 4 and preempted and saves == [(2, False), (4, False), (4, True)]
     assert signal.getsignal(signal.SIGTERM) == previous
 
 

@@ -62,9 +62,10 @@ def run_updates(state: TrainState, num_steps: int, update: Callable[[TrainState]
     `state.step >= num_steps`, calling `on_update(state, metrics)` after each. `save(state, final)`
     runs when an update crosses a multiple of `save_every` (final=False), at the end, and when
     SIGTERM reached any process (final=True); after a SIGTERM it returns at once with
-    `preempted=True`. `progress(phase, step)` hears where the loop is, for a watchdog: "update"
-    and "dispatched" around `update` (with the step before it), "done" after `on_update` and
-    "saving" before a save (with the step reached). Returns `(state, preempted)`."""
+    `preempted=True` (also when the SIGTERM came after the last update, once the end is saved).
+    `progress(phase, step)` hears where the loop is, for a watchdog: "update" and "dispatched"
+    around `update` (with the step before it), "done" after `on_update` and "saving" before a
+    save (with the step reached). Returns `(state, preempted)`."""
     mark = progress or (lambda phase, step: None)
     with _StopFlag(handle_sigterm) as flag:
         while int(state.step) < num_steps:
@@ -82,9 +83,11 @@ def run_updates(state: TrainState, num_steps: int, update: Callable[[TrainState]
             if save_every and int(state.step) // save_every > before // save_every:
                 mark("saving", int(state.step))
                 save(state, False)
-    mark("saving", int(state.step))
-    save(state, True)
-    return state, False
+        mark("saving", int(state.step))
+        save(state, True)
+        # A SIGTERM after the last update's check (during its periodic save) or during the final
+        # save: the stage is whole and saved, and the process stops here, not in the next stage.
+        return state, _agreed(flag.stop)
 
 
 @dataclasses.dataclass
