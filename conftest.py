@@ -80,8 +80,9 @@ def _drop_compiled_programs():
 # minutes for the end, with one worker idle). Longest first keeps both workers busy to the end.
 SLOW_FILES = {
     "tests/test_group.py": 513, "packages/train/tests/test_plan.py": 216, "tests/test_stages_mesh.py": 191,
-    "tests/test_pipeline.py": 157, "packages/train/tests/test_trainer.py": 129,
+    "tests/test_pipeline.py": 157, "packages/train/tests/test_trainer.py": 133,
     "packages/train/tests/test_distributed.py": 96, "tests/test_guides.py": 96,
+    "packages/train/tests/test_streaming.py": 88,
     "packages/train/tests/test_learning.py": 61, "packages/models/tests/test_sampler.py": 58,
     "packages/train/tests/test_driver.py": 57, "tests/test_recipe.py": 55, "packages/train/tests/test_guard.py": 54,
     "tests/test_sigkill.py": 54, "packages/train/tests/test_checkpoint.py": 51,

@@ -6,9 +6,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from bd_core import DiffusionTokenBatch, ViewLayout
+from bd_train import sft_objective
 
 VOCAB = 11
 
@@ -57,3 +59,32 @@ def toy_model():
 @pytest.fixture
 def batch_factory():
     return make_batch
+
+
+class Gradients:
+    """Training paths compared by their gradients, against SFT's on the whole batch."""
+
+    @staticmethod
+    def probe() -> optax.GradientTransformation:
+        """An 'optimizer' whose state is the last normalized gradient it was given (and that leaves
+        the parameters alone): Adam's per-coordinate normalization would hide a gradient's error
+        up to a constant scale."""
+        return optax.GradientTransformation(lambda params: jax.tree.map(jnp.zeros_like, params),
+                                            lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads),
+                                                                               grads))
+
+    @staticmethod
+    def relative_error(a, b) -> float:
+        diff = optax.tree.norm(jax.tree.map(lambda x, y: x - y, a, b))
+        return float(diff / optax.tree.norm(b))
+
+    @staticmethod
+    def reference(model, batch):
+        """SFT's gradient on the whole batch in one call: the reference every path must equal."""
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        return jax.grad(lambda p: sft_objective(eqx.combine(p, static), batch).loss.compute())(params)
+
+
+@pytest.fixture
+def gradients():
+    return Gradients
