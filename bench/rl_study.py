@@ -286,7 +286,7 @@ def gradient_cosine(config: dict, checkpoint_dir: str, *, start_dir: str, seed: 
     model = restore(checkpoint_dir)
     reference = restore(start_dir) if run.config.grpo.beta > 0 else None
     distribution = run.sampler_config(run.config.grpo.sampler).distribution
-    loss_fn = make_grpo_loss(grpo_config(run), distribution_score(distribution))
+    loss_fn = make_grpo_loss(grpo_config(run), distribution_score(distribution, kl=run.config.grpo.beta > 0))
 
     @eqx.filter_jit
     def grad(model, batch):

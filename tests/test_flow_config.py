@@ -94,6 +94,7 @@ def test_the_studys_rft_arm_samples_as_its_grpo_arm(tmp_path):
         ("[opd.sampler]\nstrategy = 'steps'\nsteps_per_block = 0\n",
          "opd.sampler.steps_per_block: expected an int >= 1"),
         ("[grpo]\nepsilon_low = 1.5\n", "grpo.epsilon_low: expected a value in [0, 1), got 1.5"),
+        ("[grpo.sampler]\ntemperature = 0\n", "grpo.sampler.temperature: expected > 0 (e.g. 1.0), got 0; greedy"),
         ("[mesh]\ndata = 3\n", "sft.batch_size: batch_size = 128 in 1 microbatch(es) gives 128 rows per microbatch, "
                               "which the mesh's data x fsdp = 3 devices must divide"),
         ("[run]\nlog_every = 0\n", "run.log_every: expected an integer >= 1, got 0"),

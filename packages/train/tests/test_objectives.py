@@ -11,6 +11,7 @@ import optax
 import pytest
 
 from bd_core import DiffusionTokenBatch, DistillationBatch, RolloutOutput, ViewLayout, WeightedMetric
+from bd_models import SamplingDistribution, token_logprobs
 from bd_train import (
     GRPOBatch,
     GRPOConfig,
@@ -18,6 +19,7 @@ from bd_train import (
     Trainer,
     TrainerConfig,
     compute_advantages,
+    distribution_score,
     grpo_objective,
     make_grpo_loss,
     opd_loss,
@@ -239,3 +241,69 @@ def test_grpo_loss_accumulates_exactly_in_the_trainer(toy_model, batch_factory):
     diff = optax.tree.norm(jax.tree.map(lambda a, b: a - b, state.params, full[0].params))
     assert float(diff) <= 1e-6 * float(optax.tree.norm(full[0].params))
     assert isinstance(loss_fn(model, batch).loss, WeightedMetric)
+
+
+def _with_targets(batch, targets):
+    return dataclasses.replace(batch, targets=jnp.where(batch.weights > 0, targets, 0).astype(batch.targets.dtype))
+
+
+def test_grpo_kl_under_top_k_is_the_unfiltered_k3_and_stays_finite(toy_model, batch_factory):
+    """With a top-k sampler the KL is taken without the filter on both sides: the reference's
+    filter drops tokens the policy sampled (there the filtered log-ratio is infinite), yet the loss
+    and its gradient are finite and the KL is k3 under the tempered distributions, by hand."""
+    policy, reference = toy_model(key=jax.random.key(0)), toy_model(key=jax.random.key(1))
+    distribution = SamplingDistribution(temperature=0.8, top_k=2)
+    replay = batch_factory(3, rows=8)
+    replay = _with_targets(replay, jnp.argmax(policy(replay.layout), -1))  # tokens the policy's filter keeps
+    active = np.asarray(replay.weights > 0)
+    filtered_ref = np.asarray(token_logprobs(reference, replay, distribution)[0])
+    assert np.isneginf(filtered_ref[active]).any()  # the filtered KL would be infinite here
+
+    ref = token_logprobs(reference, replay, distribution.without_filters())[0]
+    old = token_logprobs(policy, replay, distribution)[0]
+    batch = GRPOBatch(replay, old, jnp.linspace(-1.0, 1.0, 8), ref)
+    loss_fn = make_grpo_loss(GRPOConfig(beta=0.1), distribution_score(distribution, kl=True))
+    out = loss_fn(policy, batch)
+    grads = jax.grad(lambda p: loss_fn(p, batch).loss.compute())(policy)
+    assert np.isfinite(float(out.loss.compute()))
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+    def tempered(model):
+        logp = _log_softmax(np.asarray(model(replay.layout)) / 0.8)
+        return np.take_along_axis(logp, np.asarray(replay.targets)[..., None], -1)[..., 0]
+
+    delta = tempered(reference) - tempered(policy)
+    k3 = np.exp(delta) - delta - 1.0
+    weights = np.asarray(replay.weights)
+    np.testing.assert_allclose(out.aux["kl"].compute(), (weights * k3)[active].sum() / weights.sum(), rtol=1e-5)
+    assert float(out.aux["kl"].compute()) > 0
+
+
+def test_a_token_the_policys_filter_drops_after_the_rollout_has_ratio_zero_and_is_counted(toy_model, batch_factory):
+    """A later update of the same rollout: a recorded token the policy's top-k now excludes has
+    log-prob -inf. Its ratio is 0, the loss and gradient stay finite, `replay_drift` averages the
+    other tokens and `dropped_by_filter` is the excluded share."""
+    policy = toy_model(key=jax.random.key(2))
+    distribution = SamplingDistribution(top_k=2)
+    replay = batch_factory(4, rows=8)
+    logits = policy(replay.layout)
+    worst = np.asarray(jnp.argmin(logits, -1))
+    rows = np.arange(8)[:, None] % 2 == 0  # even rows recorded a token the filter now drops
+    replay = _with_targets(replay, np.where(rows, worst, np.asarray(jnp.argmax(logits, -1))))
+    new = np.asarray(token_logprobs(policy, replay, distribution)[0])
+    active = np.asarray(replay.weights > 0)
+    dropped = active & np.broadcast_to(rows, active.shape)
+    assert np.isneginf(new[dropped]).all() and np.isfinite(new[active & ~dropped]).all()
+    old = jnp.where(replay.weights > 0, -0.5, 0.0)  # finite: what the rollout recorded
+    batch = GRPOBatch(replay, old, jnp.linspace(-1.0, 1.0, 8))
+    loss_fn = make_grpo_loss(GRPOConfig(), distribution_score(distribution))
+    out = loss_fn(policy, batch)
+    grads = jax.grad(lambda p: loss_fn(p, batch).loss.compute())(policy)
+    assert np.isfinite(float(out.loss.compute()))
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    weights = np.asarray(replay.weights)
+    kept = active & ~dropped
+    np.testing.assert_allclose(out.aux["dropped_by_filter"].compute(), weights[dropped].sum() / weights.sum(),
+                               rtol=1e-6)
+    np.testing.assert_allclose(out.aux["replay_drift"].compute(),
+                               (weights[kept] * np.abs(new[kept] + 0.5)).sum() / weights[kept].sum(), rtol=1e-5)

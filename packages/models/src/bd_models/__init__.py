@@ -62,8 +62,10 @@ from ._sampling_dist import entropy as entropy
 from ._sampling_dist import first_argmax as first_argmax
 from ._sampling_dist import sampling_logprobs as sampling_logprobs
 from ._sampling_dist import token_logprob as token_logprob
+from ._scoring import TokenScores as TokenScores
 from ._scoring import schedule_logprob as schedule_logprob
 from ._scoring import token_logprobs as token_logprobs
+from ._scoring import token_scores as token_scores
 from ._sharding import MeshError as MeshError
 from ._sharding import batch_sharding as batch_sharding
 from ._sharding import check_divisibility as check_divisibility

@@ -97,6 +97,13 @@ class SamplingDistribution(eqx.Module):
         The sampler scores confidence under it, so no sampling knob changes which tokens commit."""
         return self._with(temperature=jnp.float32(1.0), top_k=None, top_p=None, greedy=False)
 
+    def without_filters(self) -> SamplingDistribution:
+        """The same temperature and bans without top-k or top-p: every token the sampler could ever
+        emit keeps a finite log-prob. A KL between two models is taken under it (GRPO's to its
+        reference): under the filtered distributions, a token one model keeps and the other drops
+        has an infinite log-ratio."""
+        return self._with(top_k=None, top_p=None)
+
     def with_banned(self, ids: Sequence[int]) -> SamplingDistribution:
         """The same distribution with `ids` banned too."""
         return self._with(banned_ids=tuple(sorted(set(self.banned_ids) | {int(token) for token in ids})))

@@ -7,6 +7,8 @@ Shape letters: see bd_core (B batch, T packed tokens, V vocab, R trace steps, b 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.scipy.special import gammaln
@@ -18,6 +20,60 @@ from ._logits_chunks import map_logits
 from ._sampling_dist import SamplingDistribution, entropy, token_logprob
 
 
+class TokenScores(NamedTuple):
+    """What `token_scores` gives, `[B, T]` each, 0 where `batch.weights == 0`.
+
+    Attributes:
+        logp: each target's log-prob under the distribution.
+        entropy: the distribution's entropy there, or None when not asked for.
+        unfiltered_logp: each target's log-prob under `distribution.without_filters()` (the
+            distribution a KL between models is taken under), or None when not asked for; the same
+            array as `logp` when the distribution has no top-k or top-p.
+    """
+
+    logp: Float[Array, "B T"]
+    entropy: Float[Array, "B T"] | None
+    unfiltered_logp: Float[Array, "B T"] | None
+
+
+def token_scores(
+    model,
+    batch: DiffusionTokenBatch,
+    distribution: SamplingDistribution,
+    *,
+    stop_gradient: bool = True,
+    with_entropy: bool = False,
+    with_unfiltered: bool = False,
+) -> TokenScores:
+    """Log-prob of each target where `batch.weights > 0` (0 elsewhere) and, if asked, the entropy
+    of `distribution` there and the log-prob under its unfiltered twin (`without_filters`), from
+    one pass over the logits. `stop_gradient=True` (old-policy and reference scoring) blocks the
+    gradient into the model; pass False for the policy being optimized. A rollout's distribution
+    is `SamplerConfig.distribution`; passed into a jitted caller, its values are traced, so one
+    compile serves them all. With the model's `logits_chunk` the logits are computed a slice of
+    the positions at a time (`map_logits`), with the same values and gradients.
+    """
+    filtered = distribution.top_k is not None or distribution.top_p is not None
+    unfiltered = distribution.without_filters()
+
+    def score(logits_BxTxV, targets_BxT, active_BxT):
+        if stop_gradient:
+            logits_BxTxV = jax.lax.stop_gradient(logits_BxTxV)
+        logp_BxTxV = distribution.logprobs(logits_BxTxV)
+        # inactive targets may be banned ids (-inf): score a finite id there so gradients stay finite
+        targets_BxT = jnp.where(active_BxT, targets_BxT, jnp.argmax(logp_BxTxV, axis=-1))
+        pick = lambda logp: jnp.where(active_BxT, token_logprob(logp, targets_BxT), 0.0)  # noqa: E731
+        logp_BxT = pick(logp_BxTxV)
+        entropy_BxT = jnp.where(active_BxT, entropy(logp_BxTxV), 0.0) if with_entropy else None
+        unfiltered_BxT = None
+        if with_unfiltered:
+            unfiltered_BxT = pick(unfiltered.logprobs(logits_BxTxV)) if filtered else logp_BxT
+        return logp_BxT, entropy_BxT, unfiltered_BxT
+
+    # position by position: with the model's logits_chunk, a slice of the logits at a time
+    return TokenScores(*map_logits(model, batch.layout, score, batch.targets, batch.weights > 0))
+
+
 def token_logprobs(
     model,
     batch: DiffusionTokenBatch,
@@ -26,27 +82,9 @@ def token_logprobs(
     stop_gradient: bool = True,
     with_entropy: bool = False,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"] | None]:
-    """Log-prob of each target where `batch.weights > 0` (0 elsewhere) and, if asked, the entropy
-    of `distribution` there. `stop_gradient=True` (old-policy and reference scoring) blocks the
-    gradient into the model; pass False for the policy being optimized. A rollout's distribution
-    is `SamplerConfig.distribution`; passed into a jitted caller, its values are traced, so one
-    compile serves them all. With the model's `logits_chunk` the logits are computed a slice of
-    the positions at a time (`map_logits`), with the same values and gradients.
-    """
-
-    def score(logits_BxTxV, targets_BxT, active_BxT):
-        if stop_gradient:
-            logits_BxTxV = jax.lax.stop_gradient(logits_BxTxV)
-        logp_BxTxV = distribution.logprobs(logits_BxTxV)
-        # inactive targets may be banned ids (-inf): score a finite id there so gradients stay finite
-        targets_BxT = jnp.where(active_BxT, targets_BxT, jnp.argmax(logp_BxTxV, axis=-1))
-        logp_BxT = jnp.where(active_BxT, token_logprob(logp_BxTxV, targets_BxT), 0.0)
-        entropy_BxT = jnp.where(active_BxT, entropy(logp_BxTxV), 0.0) if with_entropy else None
-        return logp_BxT, entropy_BxT
-
-    # position by position: with the model's logits_chunk, a slice of the logits at a time
-    logp_BxT, entropy_BxT = map_logits(model, batch.layout, score, batch.targets, batch.weights > 0)
-    return logp_BxT, entropy_BxT
+    """`token_scores`' log-probs and (if asked) entropies: `(logp [B, T], entropy [B, T] | None)`."""
+    scores = token_scores(model, batch, distribution, stop_gradient=stop_gradient, with_entropy=with_entropy)
+    return scores.logp, scores.entropy
 
 
 def schedule_logprob(trace: DiffusionTrace) -> Float[Array, " B"]:

@@ -17,7 +17,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from bd_core import DiffusionTokenBatch, LossOutput, MaxMetric, RolloutOutput, WeightedMetric, config_error
-from bd_models import SamplingDistribution, token_logprobs
+from bd_models import SamplingDistribution, TokenScores, token_scores
 
 ArrayLike = Array | np.ndarray
 Advantage = Literal["grpo", "drgrpo", "rloo"]
@@ -104,11 +104,17 @@ def compute_advantages(rewards: Float[ArrayLike, " B"], group_size: int, kind: A
 
 def grpo_objective(new_logp: Float[Array, "B T"], old_logp: Float[ArrayLike, "B T"], mask: Any,
                    advantages: Float[ArrayLike, " B"], config: GRPOConfig, *, ref_logp: Any = None,
-                   entropy: Any = None) -> LossOutput:
+                   entropy: Any = None, kl_logp: Any = None) -> LossOutput:
     """The clipped surrogate (negated, to minimize) over action tokens `mask > 0`.
 
     `old_logp` are the rollout's recorded log-probs, `ref_logp` the reference policy's (needed
-    when `beta > 0`), `entropy` the policy's per-token entropy (reported only).
+    when `beta > 0`), `entropy` the policy's per-token entropy (reported only). The KL compares
+    `ref_logp` with `kl_logp`, the policy's log-probs under the same distribution as the
+    reference's (default `new_logp`). With a top-k or top-p sampler both must be scored without
+    the filters (`SamplingDistribution.without_filters`, `distribution_score(..., kl=True)`): a
+    token one model's filter keeps and the other's drops would have an infinite log-ratio.
+    A token the policy's filter has dropped since the rollout (a later update of the same
+    rollout) has ratio 0; `replay_drift` leaves it out and `dropped_by_filter` counts it.
     """
     m = jnp.asarray(mask, jnp.float32)
     active = m > 0
@@ -131,8 +137,11 @@ def grpo_objective(new_logp: Float[Array, "B T"], old_logp: Float[ArrayLike, "B 
     aux: dict[str, Any] = {}
     count = jnp.sum(m)
     if ref_logp is not None:
-        delta = jnp.where(active, jax.lax.stop_gradient(jnp.asarray(ref_logp, jnp.float32)) - new_logp, 0.0)
-        kl = jnp.exp(delta) - delta - 1.0  # k3: unbiased, non-negative estimate of KL(π ‖ π_ref)
+        kl_logp = new_logp if kl_logp is None else jnp.asarray(kl_logp, jnp.float32)
+        delta = jnp.where(active, jax.lax.stop_gradient(jnp.asarray(ref_logp, jnp.float32)) - kl_logp, 0.0)
+        # k3 = r − log r − 1 with r = π_ref / π: non-negative, and an unbiased estimate of KL(π ‖ π_ref)
+        # for tokens drawn from π (the first update of a rollout)
+        kl = jnp.exp(delta) - delta - 1.0
         per_token = per_token + config.beta * kl
         aux["kl"] = WeightedMetric(jnp.sum(m * kl), count)
     elif config.beta > 0:
@@ -148,11 +157,14 @@ def grpo_objective(new_logp: Float[Array, "B T"], old_logp: Float[ArrayLike, "B 
         loss = WeightedMetric(jnp.sum(jnp.where(has_tokens, row, 0.0)), jnp.sum(has_tokens.astype(jnp.float32)))
 
     clipped = ((ratio < low) & (adv < 0)) | ((ratio > high) & (adv > 0))
+    kept = active & jnp.isfinite(new_logp)  # not dropped by the policy's top-k / top-p since the rollout
     aux.update(
         ratio_mean=WeightedMetric(jnp.sum(m * ratio), count),
         ratio_max=MaxMetric(jnp.max(jnp.where(active, ratio, -jnp.inf), initial=0.0)),
         clip_fraction=WeightedMetric(jnp.sum(m * clipped), count),
-        replay_drift=WeightedMetric(jnp.sum(m * jnp.abs(jnp.where(active, new_logp - old_logp, 0.0))), count),
+        replay_drift=WeightedMetric(jnp.sum(jnp.where(kept, m * jnp.abs(new_logp - old_logp), 0.0)),
+                                    jnp.sum(jnp.where(kept, m, 0.0))),
+        dropped_by_filter=WeightedMetric(jnp.sum(jnp.where(active & ~kept, m, 0.0)), count),
         advantage_mean=WeightedMetric(jnp.sum(jnp.where(has_tokens, adv[:, 0], 0.0)),
                                       jnp.sum(has_tokens.astype(jnp.float32))),
     )
@@ -191,24 +203,28 @@ def require_trace(rollout: RolloutOutput) -> RolloutOutput:
     return rollout
 
 
-ScoreFn = Callable[[Any, DiffusionTokenBatch], tuple[Array, Array | None]]
+ScoreFn = Callable[[Any, DiffusionTokenBatch], tuple[Array, Array | None] | TokenScores]
 
 
 def make_grpo_loss(config: GRPOConfig, score: ScoreFn) -> Callable[[Any, GRPOBatch, jax.Array], LossOutput]:
-    """A trainer `loss_fn`: `score(model, replay_batch) -> (logp, entropy | None)` must give the
-    differentiable log-probs of the replayed tokens under the sampling distribution (e.g.
-    `token_logprobs(..., stop_gradient=False)` with the rollout's distribution settings)."""
+    """A trainer `loss_fn`: `score(model, replay_batch)` must give the differentiable log-probs of
+    the replayed tokens under the sampling distribution and their entropies (or None), e.g.
+    `distribution_score(...)`; a third entry, when given and not None, is the log-probs the KL to
+    the reference compares with `ref_logp` (`TokenScores.unfiltered_logp`)."""
 
     def loss_fn(model: Any, batch: GRPOBatch, key: jax.Array | None = None) -> LossOutput:
         del key
-        new_logp, entropy = score(model, batch.batch)
+        new_logp, entropy, *rest = score(model, batch.batch)
         return grpo_objective(new_logp, batch.old_logp, batch.batch.weights, batch.advantages, config,
-                              ref_logp=batch.ref_logp, entropy=entropy)
+                              ref_logp=batch.ref_logp, entropy=entropy, kl_logp=rest[0] if rest else None)
 
     return loss_fn
 
 
-def distribution_score(distribution: SamplingDistribution) -> ScoreFn:
+def distribution_score(distribution: SamplingDistribution, *, kl: bool = False) -> ScoreFn:
     """A `score` for `make_grpo_loss`: the replayed tokens' log-probs (with gradients) and
-    entropies under the distribution the rollout sampled (`SamplerConfig.distribution`)."""
-    return lambda model, batch: token_logprobs(model, batch, distribution, stop_gradient=False, with_entropy=True)
+    entropies under the distribution the rollout sampled (`SamplerConfig.distribution`); with
+    `kl=True` (GRPO with `beta > 0`) also their log-probs under `distribution.without_filters()`,
+    the distribution the reference's log-probs must then be scored under."""
+    return lambda model, batch: token_scores(model, batch, distribution, stop_gradient=False, with_entropy=True,
+                                             with_unfiltered=kl)

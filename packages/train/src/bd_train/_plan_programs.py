@@ -315,14 +315,14 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
         ref = sds((rows, length), jnp.float32) if section.beta > 0 else None
         if ref is not None:
             placed = _placed_model(make, mesh)
-            score = lambda m, b: token_logprobs(m, b, distribution)[0]  # noqa: E731
+            score = lambda m, b: token_logprobs(m, b, distribution.without_filters())[0]  # noqa: E731
             costed = twin(lambda n: lower(score, _placed_model(maker(n), mesh), place_batch(replay, mesh)),
                            student.n_layers, exact=not approx_cost) if cost == "all" else None
             scored = place_batch(replay, mesh)
             programs.append(_Program(stage, "reference scoring", lower(score, placed, scored), (placed, scored),
                                      bytes_per_chip(placed), cost=costed,
                                      kernel_flops=splash_flops(student, (rows, length), 1, mesh.size)))
-        loss = make_grpo_loss(grpo_config(run), distribution_score(distribution))
+        loss = make_grpo_loss(grpo_config(run), distribution_score(distribution, kl=section.beta > 0))
         batch = GRPOBatch(replay, sds((rows, length), jnp.float32), sds((rows,), jnp.float32), ref)
     trainer = Trainer(loss, optimizer, TrainerConfig(microbatches=section.microbatches, donate=True))
     programs += _train_programs(stage, trainer, maker, batch, mesh, student, (rows, length), section.microbatches,

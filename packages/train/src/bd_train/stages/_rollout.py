@@ -99,7 +99,9 @@ def _sequence_logprobs(trace: DiffusionTrace) -> jax.Array:
 
 @eqx.filter_jit
 def _reference_logprobs(model, batch, distribution):
-    return token_logprobs(model, batch, distribution)[0]
+    """The reference's log-probs for the KL: under the sampling distribution without top-k or
+    top-p, as the policy's side of the KL is scored (`distribution_score(..., kl=True)`)."""
+    return token_logprobs(model, batch, distribution.without_filters())[0]
 
 
 def grpo_config(run: Run) -> GRPOConfig:

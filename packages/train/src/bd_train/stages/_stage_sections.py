@@ -187,7 +187,8 @@ class GRPOSection:
         steps: rollouts; each is followed by `updates_per_rollout` updates.
         prompts_per_step: prompts per rollout.
         group_size: samples per prompt, compared with each other for the advantages.
-        updates_per_rollout: optimizer updates on each rollout (the first has importance ratio exactly 1).
+        updates_per_rollout: optimizer updates on each rollout (the first's importance ratio is 1 to float
+            tolerance: the replay scores the distribution the rollout sampled).
         microbatches: parts each update's rows are split into (see above).
         advantage: `grpo` (reward minus the group mean, over the group's std), `drgrpo` (minus the mean, no std) or
             `rloo` (minus the mean of the others).
@@ -197,7 +198,8 @@ class GRPOSection:
             token gradients).
         epsilon_low: the ratio is clipped below at 1 − epsilon_low.
         epsilon_high: the ratio is clipped above at 1 + epsilon_high (above `epsilon_low`: DAPO's clip-higher).
-        beta: weight of the k3 KL to the starting model (0: off, no reference forward).
+        beta: weight of the k3 KL to the starting model (0: off, no reference forward), both scored at the
+            sampler's temperature without its top-k or top-p (under the filters the log-ratio can be infinite).
         optim: the optimizer (`[grpo.optim]`).
         sampler: how rollouts are sampled (`[grpo.sampler]`); pass@k in evaluation uses it too.
     """
@@ -226,6 +228,10 @@ class GRPOSection:
             raise config_error("", "group_size", self.group_size, ">= 2",
                                "advantages compare the samples of one prompt")
         _nonneg(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, beta=self.beta)
+        if self.sampler.temperature == 0:
+            raise config_error("", "sampler.temperature", 0, "> 0 (e.g. 1.0)",
+                               "greedy rollouts have log-probs that do not depend on the weights, so GRPO's "
+                               "gradient is 0 and every sample of a prompt is the same")
         if not self.epsilon_low < 1:
             raise config_error("", "epsilon_low", self.epsilon_low, "a value in [0, 1)",
                                "the ratio is clipped below at 1 - epsilon_low; use e.g. 0.2")

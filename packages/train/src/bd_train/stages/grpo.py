@@ -59,8 +59,8 @@ def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int 
     grpo = grpo_config(run)
     total = section.steps * section.updates_per_rollout
     optimizer = run.optimizer_config(section.optim, total)
-    trainer = Trainer(make_grpo_loss(grpo, distribution_score(sampler.distribution)), make_optimizer(optimizer),
-                      TrainerConfig(microbatches=section.microbatches, donate=True))
+    loss = make_grpo_loss(grpo, distribution_score(sampler.distribution, kl=grpo.beta > 0))
+    trainer = Trainer(loss, make_optimizer(optimizer), TrainerConfig(microbatches=section.microbatches, donate=True))
     keys = run.keys("grpo", "train", "rollout", "eval")
     state = trainer.init(model, key=keys["train"])
     prompts = run.prompts("grpo", section.prompts_per_step)
