@@ -55,6 +55,14 @@ class MathTask(Task):
     equal to the answer and 0.0 otherwise (also when screened out or past `timeout_s`).
 
     `seed` has no effect: the examples are the file's, in file order, and the split is by prompt.
+
+    Attributes:
+        path: a JSONL file of `{"prompt": ..., "answer": ...}` objects to train on.
+        eval_path: a JSONL file of held-out problems, or None to hold out a share of `path`'s
+            prompts.
+        max_chars: completions longer than this score 0 without being parsed (1 to 100,000).
+        timeout_s: seconds math-verify may take on one completion, in (0, 60]; past it the reward
+            is 0.
     """
 
     path: str = ""

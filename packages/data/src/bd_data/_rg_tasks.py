@@ -149,6 +149,10 @@ class MiniSudokuTask(ReasoningGymTask):
 
     Scored by reasoning-gym's scorer: 1.0 exact, else 0.9 × the fraction of matching cells, scaled
     down when longer than the answer; over MAX_COMPLETION_CHARS scores 0.
+
+    Attributes:
+        min_empty: the fewest empty cells of a puzzle (0 to 12, at most `max_empty`).
+        max_empty: the most empty cells of a puzzle (0 to 12).
     """
 
     min_empty: int = 8
@@ -179,6 +183,13 @@ class ChainSumTask(ReasoningGymTask):
 
     Scored by reasoning-gym's decimal comparison (sign, leading zeros, trailing decimals and commas
     tolerated); over MAX_COMPLETION_CHARS scores 0.
+
+    Attributes:
+        min_terms: the fewest terms of a chain (1 to 12, at most `max_terms`).
+        max_terms: the most terms of a chain (1 to 12).
+        min_digits: the fewest digits of a term (1 to 9, at most `max_digits`).
+        max_digits: the most digits of a term (1 to 9).
+        allow_negation: whether terms may be negative.
     """
 
     min_terms: int = 2

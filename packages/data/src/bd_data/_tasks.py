@@ -50,7 +50,12 @@ class PatternTask(GeneratedTask):
 class PositionalTask(PatternTask):
     """A pattern task whose answer is `length` digits, each right or wrong on its own. `credit`:
     `"form"` — a well-formed wrong answer earns PARTIAL_CREDIT; `"positions"` — it earns the
-    fraction of its positions that are right (below 1, since one is wrong), a denser reward."""
+    fraction of its positions that are right (below 1, since one is wrong), a denser reward.
+
+    Attributes:
+        length: digits in a problem and in its answer (`sort`: 2 to 16; `argsort`: 2 to 10).
+        credit: `"form"` or `"positions"` (above).
+    """
 
     length: int = 6
     credit: Literal["form", "positions"] = "form"
@@ -104,7 +109,11 @@ class ArgsortTask(PositionalTask):
 
 @dataclasses.dataclass(frozen=True)
 class AdditionTask(PatternTask):
-    """`"042+317="` → `"359"`: operands zero-padded to `digits`, the sum without padding."""
+    """`"042+317="` → `"359"`: operands zero-padded to `digits`, the sum without padding.
+
+    Attributes:
+        digits: digits of each operand, 1 to 18 (`addition_lsd` too).
+    """
 
     digits: int = 3
     name: ClassVar[str] = "addition"

@@ -40,7 +40,7 @@ class RunSection:
         allow_changes: fingerprint fields a resumed stage may find changed (e.g. `"training.grpo.optim.lr"`);
             anything else that differs is refused.
         stall_factor: a multi-process run stops (exit code 75) when an update takes longer than this × the median
-            update (0: no watchdog).
+            update (0: no watchdog; otherwise at least 2).
         stall_floor_s: the least seconds without progress that count as a stall.
     """
 

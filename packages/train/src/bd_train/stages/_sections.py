@@ -48,10 +48,12 @@ class TaskSection:
     Attributes:
         name: a built-in task (`sort`, `argsort`, `addition`, `addition_lsd`, `countdown`, `mini_sudoku`,
             `chain_sum`, `math`), ignored with JSONL files.
-        params: the task's own parameters, e.g. `{ length = 6 }` for argsort or `{ max_numbers = 3 }` for countdown
-            (`bd_data.get_task`).
-        seed: the seed the task draws its problems from; a different seed gives different train and eval problems
-            (`[run] seed` seeds everything else).
+        params: the task's own parameters, e.g. `{ length = 6 }` for argsort or `{ max_numbers = 3 }` for countdown:
+            the attributes of its class in `bd_data` (`SortTask`, `ArgsortTask`, `AdditionTask`, `CountdownTask`,
+            `MiniSudokuTask`, `ChainSumTask`, `MathTask`; `bd_data.get_task`).
+        seed: the seed a generated task draws its problems from; a different seed gives different train and eval
+            problems (`math` and JSONL files read theirs in file order, whatever the seed; `[run] seed` seeds
+            everything else).
         train_jsonl: a JSONL file of `{"prompt": ..., "completion": ...}` objects to train on (with `eval_jsonl`).
         eval_jsonl: the held-out JSONL file every stage evaluates on (with `train_jsonl`).
         overlong: what to do with an example longer than the canvas: `error` stops naming it, `truncate` cuts it to

@@ -33,13 +33,13 @@ class OptimSection:
     in SGD, instead of a unit-sized step whatever the gradient's size.
 
     Attributes:
-        lr: the peak learning rate.
-        warmup_steps: steps of linear warmup from 0 to `lr`.
+        lr: the peak learning rate (> 0).
+        warmup_steps: steps of linear warmup from 0 to `lr` (>= 0).
         schedule: after warmup: `constant`, or `cosine` / `linear` decay over the stage's remaining steps.
-        weight_decay: AdamW's decoupled weight decay.
-        clip_norm: the global gradient norm is clipped to this.
-        b2: Adam's second-moment decay.
-        eps: Adam's epsilon (see above).
+        weight_decay: AdamW's decoupled weight decay (>= 0).
+        clip_norm: the global gradient norm is clipped to this (> 0).
+        b2: Adam's second-moment decay, in [0, 1).
+        eps: Adam's epsilon (see above; > 0).
     """
 
     lr: float = 3e-3
@@ -62,15 +62,18 @@ class SamplerSection:
     """Rollout/eval decoding (lengths, mask/pad and stop ids follow the canvas and tokenizer).
 
     Attributes:
-        temperature: the sampling temperature (0: greedy).
-        top_k: sample among the k most likely tokens only (unset: all).
-        top_p: sample within the smallest set of tokens of total probability p (unset: all).
+        temperature: the sampling temperature: 0 (greedy; refused in `[grpo.sampler]`) or at least 1e-6.
+        top_k: sample among the k most likely tokens only (an int >= 1, at most the vocabulary; unset: all).
+        top_p: sample within the smallest set of tokens of total probability p, in (0, 1] (unset: all).
         strategy: which masked positions commit per step: `threshold` (every one whose confidence reaches
             `threshold`), `steps` (a fixed number per step), or `random` (as many as `steps`, chosen at random: the
             trajectory's likelihood is exact).
-        threshold: τ, the confidence at which `threshold` commits a position (at least one commits per step).
-        steps_per_block: denoising steps per block for `steps` and `random` (default: one token per step).
-        max_steps_per_block: a cap on `threshold`'s steps per block (default: the block size).
+        threshold: τ, the confidence at which `threshold` commits a position (at least one commits per step;
+            >= 0, above 1 commits one position per step).
+        steps_per_block: denoising steps per block for `steps` and `random` only, 1 to the block size (default: one
+            token per step).
+        max_steps_per_block: a cap on `threshold`'s steps per block, for `threshold` only, 1 to the block size
+            (default: the block size).
         confidence: what `threshold` compares with τ: the sampled token's `probability`, the top-1 minus top-2
             `margin`, or `entropy` as exp(-H).
     """
@@ -106,7 +109,8 @@ class SFTSection:
 
     Attributes:
         steps: optimizer updates of the student (and of the teacher, unless `teacher_steps` is set).
-        batch_size: sequences per update.
+        batch_size: sequences per update; each microbatch's rows (batch_size / microbatches) must split evenly
+            over the mesh's data x fsdp devices.
         microbatches: parts each batch is split into and accumulated exactly inside one update (to fit memory).
         teacher_steps: the teacher's updates when it should train longer than the student (unset: `steps`).
         optim: the optimizer (`[sft.optim]`).
@@ -186,7 +190,7 @@ class GRPOSection:
     Attributes:
         steps: rollouts; each is followed by `updates_per_rollout` updates.
         prompts_per_step: prompts per rollout.
-        group_size: samples per prompt, compared with each other for the advantages.
+        group_size: samples per prompt, compared with each other for the advantages (>= 2).
         updates_per_rollout: optimizer updates on each rollout (the first's importance ratio is 1 to float
             tolerance: the replay scores the distribution the rollout sampled).
         microbatches: parts each update's rows are split into (see above).
@@ -196,8 +200,8 @@ class GRPOSection:
             (Dr. GRPO).
         ratio: the importance ratio per `token`, or per sequence (`gspo-token`: GSPO's geometric mean, with per-
             token gradients).
-        epsilon_low: the ratio is clipped below at 1 − epsilon_low.
-        epsilon_high: the ratio is clipped above at 1 + epsilon_high (above `epsilon_low`: DAPO's clip-higher).
+        epsilon_low: the ratio is clipped below at 1 − epsilon_low, in [0, 1).
+        epsilon_high: the ratio is clipped above at 1 + epsilon_high, >= 0 (above `epsilon_low`: DAPO's clip-higher).
         beta: weight of the k3 KL to the starting model (0: off, no reference forward), both scored at the
             sampler's temperature without its top-k or top-p (under the filters the log-ratio can be infinite).
         optim: the optimizer (`[grpo.optim]`).
@@ -243,7 +247,8 @@ class RFTSection:
     `group_size` completions of each of `prompts_per_step` prompts from the current model, keeps
     those whose verifier reward is at least `min_reward`, and takes `updates_per_rollout` SFT
     updates on them. `microbatches` splits each update's prompts_per_step x group_size rows into
-    that many parts accumulated inside the one update (exact).
+    that many parts accumulated inside the one update (exact). Only `bd_train.stages.run_rft` reads
+    this table (the GRPO study's control); the flow, `make run` and `make stages` run SFT, OPD and GRPO.
 
     Attributes:
         steps: rounds; each samples afresh from the model as it then is.
@@ -251,7 +256,7 @@ class RFTSection:
         group_size: completions sampled per prompt.
         updates_per_rollout: SFT updates per round on its accepted completions, each with fresh masks.
         microbatches: parts each update's rows are split into (see above).
-        min_reward: a completion is kept when its verifier reward is at least this; 1.0, every task's full
+        min_reward: a completion is kept when its verifier reward is at least this, in [0, 1]; 1.0, every task's full
             credit, keeps the verified-correct ones (0 would keep every sample: self-distillation).
         optim: the optimizer (`[rft.optim]`).
         sampler: the rollout decoding (`[rft.sampler]`), as `[grpo] sampler`.
@@ -291,7 +296,8 @@ class EvalSection:
         samples_shown: sample completions the cards and W&B show.
         sampler: the decoding of the accuracy table (`[eval.sampler]`; greedy by default).
         samples: rollouts per problem for pass@k at the `[grpo] sampler` decoding (0: off).
-        thresholds: confidence thresholds of the accuracy-against-NFE curve, then one token per step (`[]`: off).
+        thresholds: confidence thresholds in (0, 1] of the accuracy-against-NFE curve, then one token per step (`[]`:
+            off).
         best_of: best-of-n over the pass@k samples, chosen without the answer: `"logprob"` (the sample the
             model is most confident in, by its trace's log-probs) and/or `"vote"` (the most frequent answer).
     """
