@@ -135,8 +135,8 @@ def test_mistakes_are_refused_naming_the_key(tmp_path):
     example = run.source("train")[0]
     assert example.token_ids(run.tokenizer)[0].tolist() == run.tokenizer.encode(f"[{example.prompt}]").tolist()
     # before anything trains: a rendered prompt longer than the canvas's prompt, or a template that fails
-    with pytest.raises(StageError, match=r"^task\.chat_template: the first train prompt takes 75 tokens as the "
-                                         r"template renders it but canvas\.prompt_len = 64"):
+    with pytest.raises(StageError, match=r"^canvas\.prompt_len: train problem 0 of task '\w+' \(.*\) takes 75 tokens "
+                                         r"with the chat template's markup but canvas\.prompt_len = 64"):
         check_adopted(parse_pipeline_config(_preset(prompt_len=64)))
     failing = tmp_path / "fails.jinja"
     failing.write_text("{{ raise_exception('one turn only') }}")

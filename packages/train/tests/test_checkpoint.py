@@ -174,6 +174,35 @@ def test_a_sigterm_after_the_last_updates_check_still_stops_the_process(during):
     assert signal.getsignal(signal.SIGTERM) == previous
 
 
+def test_a_first_ctrl_c_saves_and_stops_and_a_second_interrupts_at_once():
+    """Ctrl-C (SIGINT) stops like a SIGTERM, at a saved step; a second one, during that save,
+    raises KeyboardInterrupt at once rather than waiting (the handler before is back after the
+    first)."""
+    from bd_train._loop import run_updates
+
+    saves = []
+
+    def update(state):
+        if state.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return SimpleNamespace(step=state.step + 1), {}
+
+    def save(state, final):
+        saves.append((state.step, final))
+
+    previous = signal.getsignal(signal.SIGINT)
+    state, preempted = run_updates(SimpleNamespace(step=0), 10, update, save=save)
+    assert state.step == 3 and preempted and saves == [(3, True)]
+    assert signal.getsignal(signal.SIGINT) == previous
+
+    def save_and_interrupt(state, final):
+        os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, while the first one's save runs
+
+    with pytest.raises(KeyboardInterrupt):
+        run_updates(SimpleNamespace(step=0), 10, update, save=save_and_interrupt)
+    assert signal.getsignal(signal.SIGINT) == previous
+
+
 def _array_files(directory, item: str = "model") -> list:
     """The files that hold an item's array data, largest first: OCDBT data files, both those each
     process wrote (`ocdbt.process_<i>/d/`) and the merged B-tree at the item's root (`d/`), which

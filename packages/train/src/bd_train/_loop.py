@@ -1,7 +1,9 @@
-"""The training loop: steps, periodic checkpoints and a clean stop on SIGTERM.
+"""The training loop: steps, periodic checkpoints and a clean stop on SIGTERM or Ctrl-C.
 
-A SIGTERM (preemption) only sets a flag; the loop finishes the current update, saves it and
-returns with `preempted=True`, so the process exits normally and `resume` continues from there.
+A SIGTERM (preemption) or a first Ctrl-C (SIGINT) only sets a flag; the loop finishes the current
+update, saves it and returns with `preempted=True`, so the process exits normally and a rerun
+continues from there. A second Ctrl-C interrupts at once (Python's KeyboardInterrupt), keeping
+the checkpoints already saved.
 """
 
 from __future__ import annotations
@@ -23,28 +25,35 @@ if TYPE_CHECKING:
 
 
 class _StopFlag:
-    """Records SIGTERM while installed (main thread only; elsewhere signals cannot be caught)."""
+    """Records SIGTERM and a first SIGINT while installed (main thread only; elsewhere signals
+    cannot be caught). A first SIGINT hands SIGINT back to the handler that was there before
+    (Python's KeyboardInterrupt, by default), so that a second one interrupts at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, enabled: bool):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.stop = False
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame):
         self.stop = True
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, self._previous[signal.SIGINT])
 
     def __enter__(self) -> _StopFlag:
         if self.enabled:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:
         if self.enabled:
-            signal.signal(signal.SIGTERM, self._previous)
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
 
 
 def _agreed(stop: bool) -> bool:
-    """Whether any process got SIGTERM: saves are collective, so every process must stop at the
+    """Whether any process got SIGTERM or Ctrl-C: saves are collective, so every process must stop at the
     same update (pods of one job can be signalled an update apart)."""
     if jax.process_count() == 1:
         return stop
@@ -61,8 +70,8 @@ def run_updates(state: TrainState, num_steps: int, update: Callable[[TrainState]
     """The loop every training driver here shares. Runs `update(state) -> (state, metrics)` until
     `state.step >= num_steps`, calling `on_update(state, metrics)` after each. `save(state, final)`
     runs when an update crosses a multiple of `save_every` (final=False), at the end, and when
-    SIGTERM reached any process (final=True); after a SIGTERM it returns at once with
-    `preempted=True` (also when the SIGTERM came after the last update, once the end is saved).
+    SIGTERM or a first Ctrl-C reached any process (final=True); after one it returns at once with
+    `preempted=True` (also when it came after the last update, once the end is saved).
     `progress(phase, step)` hears where the loop is, for a watchdog: "update" and "dispatched"
     around `update` (with the step before it), "done" after `on_update` and "saving" before a
     save (with the step reached). Returns `(state, preempted)`."""
@@ -97,7 +106,7 @@ class LoopResult:
     Attributes:
         state: the final train state.
         history: the logged metrics, one dict per logged step.
-        preempted: True when a SIGTERM stopped the loop after saving."""
+        preempted: True when a SIGTERM or Ctrl-C stopped the loop after saving."""
     state: TrainState
     history: list[dict[str, float]]
     preempted: bool
@@ -111,7 +120,7 @@ def train_loop(trainer: Trainer, state: TrainState, batches: Iterable[Any], *, n
                handle_sigterm: bool = True) -> LoopResult:
     """Run update steps until `state.step == num_steps`, reading `calls_per_update` batches per
     update (streaming accumulation when > 1). Saves every `save_every` updates, at the end, and
-    when SIGTERM arrives. `history` holds each call's metrics as floats."""
+    when SIGTERM or a first Ctrl-C arrives. `history` holds each call's metrics as floats."""
     if calls_per_update > 1 and state.accumulator is None:
         raise ValueError("train_loop: calls_per_update > 1 needs TrainerConfig(streaming=True)")
     if save_every is not None and checkpointer is None:

@@ -95,11 +95,38 @@ def adoption(role: str, directory: str | Path, meta: dict[str, Any] | None = Non
     return line
 
 
+TASK_PROBLEMS_CHECKED = 512  # a built-in task's training problems fitted to the canvas before training
+
+
+def check_task_fits(run: Run, split: str, count: int) -> None:
+    """The split's first `count` problems of the built-in task fit the canvas: the prompt, as the
+    chat template renders it if there is one, and for the training split (which SFT trains on) the
+    answer plus the end-of-text token; or a `StageError` naming the first that does not, its sizes
+    and the `[canvas]` key to raise. Held-out problems are only ever prompts on the canvas."""
+    canvas = run.config.canvas
+    source = run.source(split)
+    markup = " with the chat template's markup" if run.chat_template is not None else ""
+    for index in range(min(count, len(source))):
+        example = source[index]
+        prompt, answer = example.token_ids(run.tokenizer)
+        if len(prompt) > canvas.prompt_len:
+            raise StageError(f"canvas.prompt_len: {split} problem {index} of task {run.config.task.name!r} "
+                             f"({example.prompt!r}) takes {len(prompt)} tokens{markup} but canvas.prompt_len = "
+                             f"{canvas.prompt_len}; raise prompt_len (a multiple of block_size = "
+                             f"{canvas.block_size}) or choose smaller [task] params")
+        if split == "train" and len(answer) + 1 > canvas.max_new_tokens:
+            raise StageError(f"canvas.max_new_tokens: training problem {index} of task {run.config.task.name!r} has an "
+                             f"answer of {len(answer)} tokens, {len(answer) + 1} with the end-of-text token, but "
+                             f"canvas.max_new_tokens = {canvas.max_new_tokens}; raise max_new_tokens (a multiple of "
+                             f"block_size = {canvas.block_size}) or choose smaller [task] params")
+
+
 def check_adopted(config: Any) -> None:
     """Before anything trains: every checkpoint the config adopts (`[teacher]/[student] checkpoint`)
     must share the config's tokens and blocks, or the run is refused now, naming each field. The
     tokenizer, the pretrained checkpoints' configs and the user's JSONL files (every line) are read
-    now too (a task's first prompts rendered by the chat template, if any), and a teacher and
+    now too, a built-in task's first training problems and held-out ones are fitted to the canvas
+    (`check_task_fits`, through the chat template if any), and a teacher and
     student whose output vocabularies differ are refused. Each adopted checkpoint is said on
     stderr, with the stage that wrote it (`adoption`)."""
     run = Run(config)
@@ -113,14 +140,9 @@ def check_adopted(config: Any) -> None:
         if run.task is None:  # the user's JSONL: every line, tokenized and fitted to the canvas, now
             for split in ("train", "eval"):
                 run.source(split)
-        elif run.chat_template is not None:  # a task's prompts through the template: the first of each split, now
-            prompt_len = run.config.canvas.prompt_len
-            for split in ("train", "eval"):
-                ids = run.source(split)[0].token_ids(run.tokenizer)[0]
-                if len(ids) > prompt_len:
-                    raise StageError(f"task.chat_template: the first {split} prompt takes {len(ids)} tokens as the "
-                                     f"template renders it but canvas.prompt_len = {prompt_len}; raise prompt_len "
-                                     f"(a multiple of block_size) to fit the template's markup")
+        else:  # a built-in task: its first training problems and every held-out one, fitted to the canvas now
+            for split, count in (("train", TASK_PROBLEMS_CHECKED), ("eval", run.config.eval.n)):
+                check_task_fits(run, split, count)
     except (TokenizerError, ConfigError, JsonlError, CanvasOverflow) as err:
         raise StageError(str(err)) from None
     except ChatTemplateError as err:

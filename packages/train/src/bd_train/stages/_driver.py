@@ -244,8 +244,9 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
                     bar.close()
             seconds["train"] = time.perf_counter() - begun
             if preempted:
-                raise StageError(f"{spec.name}: stopped by SIGTERM at step {int(state.step)}; the checkpoint is "
-                                 f"saved in {directory}; run `resume` to continue")
+                raise StageError(f"{spec.name}: stopped by SIGTERM or Ctrl-C at step {int(state.step)}; the "
+                                 f"checkpoint is saved in {directory}; rerun the same command to continue (the "
+                                 f"Metaflow flow: `resume`)")
             checkpoints.close()
             # said before the silent stretch (10-60 s) between the bar's 100% and the stage's end
             print(f"{spec.name}: evaluating on {len(eval_examples(run))} held-out problems"

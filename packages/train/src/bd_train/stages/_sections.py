@@ -56,8 +56,8 @@ class TaskSection:
             everything else).
         train_jsonl: a JSONL file of `{"prompt": ..., "completion": ...}` objects to train on (with `eval_jsonl`).
         eval_jsonl: the held-out JSONL file every stage evaluates on (with `train_jsonl`).
-        overlong: what to do with an example longer than the canvas: `error` stops naming it, `truncate` cuts it to
-            fit, `skip` drops it.
+        overlong: what to do with a JSONL example longer than the canvas: `error` stops naming it, `truncate` cuts
+            it to fit, `skip` drops it (a built-in task's problems must fit: the first are checked at the start).
         chat_template: render every prompt as a user turn of a chat template: `true` for the tokenizer's own, a
             Jinja file's path, or `false`.
     """

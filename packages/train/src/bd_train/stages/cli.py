@@ -13,6 +13,7 @@ the latest run of a preset, as `make run` does after the flow.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import jax
 
 from bd_core import ConfigError
+from bd_data import CanvasOverflow
 
 from ._compat import check_adopted, check_distillation_pair
 from ._config import parse_pipeline_config, pipeline_config
@@ -106,9 +108,24 @@ def _run(config: dict, until: str, run_id: str) -> int:
         return 2
     try:
         run_chain(config, RunDir.create(config, run_id=run_id), until=until)
-    except (StageError, ConfigError) as err:  # e.g. SIGTERM: every process of the group stops at the same saved step
+    except (StageError, ConfigError, DistributedError) as err:  # e.g. SIGTERM: the group stops at one saved step
         print(f"bdlm: {err}", file=sys.stderr)
         shutdown()  # leave the group together, before process 0's coordination service goes
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside a stage's updates
+        print("bdlm: interrupted (Ctrl-C); the checkpoints saved so far are kept: rerun the same command to "
+              "continue from the latest", file=sys.stderr)
+        # at once, as asked: a computation or a data thread interrupted mid-way can crash the
+        # interpreter's teardown (seen: a segfault after an interrupted evaluation); a save in
+        # flight is left uncommitted, which a restore ignores
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    except CanvasOverflow as err:  # a problem past the ones checked at the start
+        print(f"bdlm: a training problem does not fit the canvas: {err}; raise [canvas] prompt_len or "
+              f"max_new_tokens (multiples of block_size) or choose smaller [task] params; the checkpoints saved "
+              f"so far are kept", file=sys.stderr)
+        shutdown()
         return 1
     shutdown()
     return 0
