@@ -78,13 +78,16 @@ def test_an_output_path_that_cannot_hold_the_results_is_refused_before_the_work(
     from bd_train.plan import main as plan
 
     for out, message in ((tmp_path / "r.png", "the plot is written beside the JSON with the suffix .png"),
-                         (tmp_path / "nope" / "r.json", f"the folder {str(tmp_path / 'nope')!r} does not exist")):
+                         (tmp_path / "nope" / "r.json", f"the folder {str(tmp_path / 'nope')!r} does not exist"),
+                         (tmp_path, "is a folder; give a file path in it")):
         with pytest.raises(SystemExit) as exit_:
             evaluate(["--checkpoint", str(tmp_path), "--out", str(out)])
         assert exit_.value.code == 2 and message in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exit_:
-        plan(["preset.toml", "--topology", "v5e:2x2", "--json", str(tmp_path / "nope" / "plan.json")])
-    assert exit_.value.code == 2 and "does not exist; create it first" in capsys.readouterr().err
+    for out, message in ((tmp_path / "nope" / "plan.json", "does not exist; create it first"),
+                         (tmp_path, "is a folder; give a file path in it")):
+        with pytest.raises(SystemExit) as exit_:
+            plan(["preset.toml", "--topology", "v5e:2x2", "--json", str(out)])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_a_step_folder_or_a_missing_path_is_refused_naming_what_to_give(checkpoint, tmp_path):

@@ -33,6 +33,7 @@ from bd_data import CanvasOverflow, JsonlError, TokenizerError
 from bd_models import ModelConfig
 
 from ._checkpoint import CheckpointError
+from ._output_path import output_path_error
 from .stages._config import parse_pipeline_config
 from .stages._evaluate import evaluate_report, pass_at_k
 from .stages._intervals import bootstrap_interval, wilson_interval
@@ -169,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         if out.with_suffix(".png") == out:
             parser.error(f"--out {args.out}: the plot is written beside the JSON with the suffix .png, so the two "
                          f"would be one file; give a .json path")
-        if not out.parent.is_dir():
-            parser.error(f"--out {args.out}: the folder {str(out.parent)!r} does not exist; create it first")
+        if error := output_path_error("--out", args.out, "results.json"):
+            parser.error(error)
     try:
         preset = None if args.config is None else Path(args.config).read_text()
     except OSError as err:

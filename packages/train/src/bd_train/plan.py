@@ -49,6 +49,7 @@ import numpy as np
 from bd_core import ConfigError
 from bd_models import MeshError
 
+from ._output_path import output_path_error
 from ._plan_compile import submit
 from ._plan_programs import COSTS, ProgramPlan, compile_program, stage_programs
 from ._plan_report import (
@@ -403,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.num_slices < 1:
         parser.error(f"--num-slices {args.num_slices}: a plan is of one slice or more")
-    if args.json and not Path(args.json).parent.is_dir():  # checked now: the plan takes minutes
-        parser.error(f"--json {args.json}: the folder {str(Path(args.json).parent)!r} does not exist; create it first")
+    if args.json and (error := output_path_error("--json", args.json, "plan.json")):  # now: a plan takes minutes
+        parser.error(error)
     path = Path(args.preset)
     try:
         data = tomllib.loads(path.read_text())
