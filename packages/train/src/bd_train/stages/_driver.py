@@ -36,6 +36,18 @@ if TYPE_CHECKING:
 
 StepFn = Callable[["TrainState", int], "tuple[TrainState, dict]"]
 
+# Identity fields that set the shapes of a model's arrays: no `[run] allow_changes` continues a
+# checkpoint across one of them (its restore would find arrays of other shapes).
+SHAPE_FIELDS = frozenset({"identity.vocab_size"} | {f"identity.architecture.{k}" for k in (
+    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim", "tie_embeddings", "qk_norm",
+    "qkv_bias")})
+TRAIN_ANEW = "to train anew, give the run another id (--run-id) or [run] output_dir."
+
+
+def _cannot_continue(shaped: list[str]) -> str:
+    return (f"{', '.join(shaped)} set the shapes of the saved arrays, so no [run] allow_changes can continue this "
+            f"checkpoint under the change; {TRAIN_ANEW}")
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StageSpec:
@@ -154,14 +166,20 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
         try:
             allow = cfg.run.allow_changes
             accepted = checkpoints.check_fingerprints(spec.fingerprints, allow=allow)
+            if shaped := sorted(k for k in accepted if k in SHAPE_FIELDS):
+                changes = "; ".join(f"{k}: saved {accepted[k][0]!r}, current {accepted[k][1]!r}" for k in shaped)
+                raise StageError(f"{spec.name}: cannot continue from {directory}: {changes}\n"
+                                 f"{_cannot_continue(shaped)}")
             state = checkpoints.restore(state, fingerprints=spec.fingerprints, data_iterator=data, allow=allow)
             meta = checkpoints.read_meta()
             history, overrides = list(meta.get("history") or []), list(meta.get("overrides") or [])
         except FingerprintMismatch as err:
+            if shaped := sorted(k for k in err.differences if k in SHAPE_FIELDS):
+                raise StageError(f"{spec.name}: cannot continue from {directory}: {err}\n"
+                                 f"{_cannot_continue(shaped)}") from None
             fields = ", ".join(f'"{k}"' for k in sorted(err.differences))
             raise StageError(f"{spec.name}: cannot continue from {directory}: {err}\nTo continue with the change "
-                             f"on purpose, add it to [run] allow_changes = [{fields}]; to train anew, give the run "
-                             f"another id (--run-id) or [run] output_dir.") from None
+                             f"on purpose, add it to [run] allow_changes = [{fields}]; {TRAIN_ANEW}") from None
         except CheckpointError as err:
             raise StageError(f"{spec.name}: cannot continue from {directory}: {err}") from None
         if guard is not None:  # its comparisons so far, judged again: a resumed run decides the same
