@@ -106,6 +106,29 @@ def test_a_step_folder_or_a_missing_path_is_refused_naming_what_to_give(checkpoi
         load(missing, config=SMOKE.read_text())
 
 
+def test_mistakes_of_the_flags_are_named_by_flag_before_any_decoding(checkpoint, tmp_path):
+    """A stage's checkpoint evaluates under its recorded config: `--config` is refused, not
+    ignored; a `--task` whose problems the checkpoint's canvas cannot hold, or that needs a file,
+    is named by the flag; a training file gone since (evaluation reads only the held-out one) is
+    no obstacle."""
+    from bd_core import ConfigError
+    from bd_train.evaluate import _held_out_only, load
+    from bd_train.stages import StageError
+
+    with pytest.raises(StageError, match=r"^--config: .* is a stage's checkpoint, which evaluates under the config it "
+                                         r"was trained with"):
+        load(checkpoint, config=SMOKE.read_text())
+    with pytest.raises(StageError, match=r"^--task countdown: eval problem 0 of task 'countdown' \(.*\) takes \d+ "
+                                         r"tokens but canvas\.prompt_len = 8, the canvas this checkpoint was trained"):
+        load(checkpoint, task="countdown")
+    with pytest.raises(ConfigError, match=r"^--task math: task\.params\.path: "):
+        load(checkpoint, task="math")
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text('{"prompt": "1=", "completion": "1"}\n')
+    config = {"task": {"train_jsonl": str(tmp_path / "gone.jsonl"), "eval_jsonl": str(held_out)}}
+    assert _held_out_only(config)["task"]["train_jsonl"] == str(held_out)
+
+
 def test_another_task_keeps_the_prompt_format_and_every_decoding_setting_builds():
     """`--task` swaps the problems, not how prompts are written (the checkpoint's chat template);
     the accuracy-vs-NFE settings build from a `steps` sampler too (they crashed after training)."""
@@ -114,8 +137,9 @@ def test_another_task_keeps_the_prompt_format_and_every_decoding_setting_builds(
     from bd_train.stages._evaluate import decoding_settings
 
     config = {"task": {"name": "sort", "params": {"length": 4}, "chat_template": True, "overlong": "skip"}}
-    assert _overridden(config, "argsort", None)["task"] == {"name": "argsort", "chat_template": True,
-                                                            "overlong": "skip"}
+    assert _overridden(dict(config), "argsort", None)["task"] == {"name": "argsort", "chat_template": True,
+                                                                  "overlong": "skip"}
+    assert _overridden(dict(config), "sort", None)["task"] == config["task"]  # its own task keeps its params
     run = Run(parse_pipeline_config({"eval": {"sampler": {"strategy": "steps", "steps_per_block": 2}}}))
     settings = decoding_settings(run.config.eval.sampler, (0.5, 0.9))
     assert [run.sampler_config(section).strategy for _, section in settings] == ["threshold"] * 3

@@ -34,6 +34,7 @@ from bd_models import ModelConfig
 
 from ._checkpoint import CheckpointError
 from ._output_path import output_path_error
+from .stages._compat import check_task_fits
 from .stages._config import parse_pipeline_config
 from .stages._evaluate import evaluate_report, pass_at_k
 from .stages._intervals import bootstrap_interval, wilson_interval
@@ -66,13 +67,18 @@ def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = Non
             raise ConfigError(f"--config is not valid TOML: {err}") from None
         data["student"] = data["teacher"] = {"pretrained": str(checkpoint)}
         try:
-            run = Run(parse_pipeline_config(_overridden(data, task, n)))
+            run = _checked(Run(parse_pipeline_config(_overridden(data, task, n))))
         except ConfigError as err:  # the checkpoint stands in for both roles: name the flag, not the keys
             message = str(err)
             for role in ("teacher", "student"):
-                message = message.removeprefix(f"{role}.pretrained: ")
-            raise ConfigError(f"--checkpoint {message}") from None
+                if message.startswith(f"{role}.pretrained: "):
+                    raise ConfigError(f"--checkpoint {message.removeprefix(f'{role}.pretrained: ')}") from None
+            raise ConfigError(_flag_error(message, task, "--config")) from None
         return run, run.pretrained_model("student")
+    if config is not None:
+        raise StageError(f"--config: {checkpoint} is a stage's checkpoint, which evaluates under the config it was "
+                         f"trained with; --config is for a Hugging Face folder (--task and --n change what is "
+                         f"evaluated)")
     with open_checkpoints(checkpoint, create=False) as checkpoints:
         try:
             meta = checkpoints.read_meta()
@@ -81,7 +87,10 @@ def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = Non
     if not meta.get("config") or "identity" not in meta.get("fingerprints", {}):
         raise StageError(f"checkpoint {checkpoint} holds no pipeline config or model identity; evaluate checkpoints "
                          "written by a bdlm stage (runs/pipeline/<run>/checkpoints/<stage>)")
-    run = Run(parse_pipeline_config(_overridden(dict(meta["config"]), task, n)))
+    try:
+        run = _checked(Run(parse_pipeline_config(_overridden(_held_out_only(dict(meta["config"])), task, n))))
+    except (ConfigError, StageError) as err:
+        raise type(err)(_flag_error(str(err), task, f"the config that checkpoint {checkpoint} recorded")) from None
     identity = Fingerprint.from_json(meta["fingerprints"]["identity"])
     # bd_models' default attention, which runs on every backend (a checkpoint trained with TPU's
     # splash kernels is evaluated on a GPU or CPU too)
@@ -89,9 +98,51 @@ def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = Non
     return run, run.restore_model(checkpoint, model_config, identity, what=f"checkpoint {checkpoint}")
 
 
+RECORDED = ("; its paths are as the run was given them, relative to the folder it was started in: run the command "
+            "from that folder")
+
+
+def _checked(run: Run) -> Run:
+    """`run` with its tokenizer and task built and the held-out problems fitted to the canvas, now:
+    a mistake is said before any decoding, by key."""
+    try:
+        _ = run.tokenizer
+        if run.task is not None:
+            check_task_fits(run, "eval", run.config.eval.n)
+    except (TokenizerError, JsonlError, CanvasOverflow) as err:
+        raise StageError(str(err)) from None
+    return run
+
+
+def _held_out_only(config: dict) -> dict:
+    """The recorded config with the held-out JSONL standing in for a training file that is gone:
+    evaluation reads only the held-out problems."""
+    section = dict(config.get("task") or {})
+    train, held_out = section.get("train_jsonl"), section.get("eval_jsonl")
+    if train and held_out and not Path(train).exists():
+        config["task"] = {**section, "train_jsonl": held_out}
+    return config
+
+
+def _flag_error(message: str, task: str | None, where: str) -> str:
+    """A config error named by what the user gave: `--task` for the task's keys and for a canvas
+    too small for its problems when it was set; else `where`, with how recorded paths resolve
+    when a path is what failed."""
+    if task is not None and message.startswith(("task.", "task:")):
+        return f"--task {task}: {message} (--task keeps the checkpoint's canvas and tokenizer, with the task's " \
+               f"default params; a task that needs a file or other params needs a preset)"
+    if task is not None and message.startswith("canvas."):
+        return f"--task {task}: {message.split(': ', 1)[1].split('; raise')[0]}, the canvas this checkpoint was " \
+               f"trained with; evaluate it on a task whose problems fit"
+    path_problem = any(words in message for words in ("does not exist", "no such file", "cannot read"))
+    return f"{where}: {message}" + (RECORDED if path_problem else "")
+
+
 def _overridden(config: dict, task: str | None, n: int | None) -> dict:
     if task is not None:  # another task's data, prompted as the checkpoint was trained (its chat template)
-        kept = {k: v for k, v in config.get("task", {}).items() if k in ("chat_template", "overlong")}
+        recorded = config.get("task", {})
+        kept = {k: v for k, v in recorded.items()
+                if k in ("chat_template", "overlong") or (k == "params" and recorded.get("name") == task)}
         config["task"] = {"name": task, **kept}
     if n is not None:
         section = config.get("eval", {})
