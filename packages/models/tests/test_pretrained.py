@@ -187,6 +187,13 @@ def test_folder_without_config_json(tmp_path):
         from_pretrained(folder, block_size=4)
     with pytest.raises(PretrainedError, match="does not exist"):
         from_pretrained(tmp_path / "nowhere", block_size=4)
+    orbax = tmp_path / "sft-student"  # a bdlm stage's checkpoint: step folders Orbax marks as complete
+    (orbax / "6").mkdir(parents=True)
+    (orbax / "6" / "_CHECKPOINT_METADATA").write_text("{}")
+    for given in (orbax, orbax / "6"):
+        with pytest.raises(PretrainedError, match=r"is a bdlm stage checkpoint \(Orbax steps\), not a Hugging Face "
+                                                  r"folder: a preset adopts it as \[teacher\] / \[student\]"):
+            from_pretrained(given, block_size=4)
 
 
 def test_unsupported_model_type(tmp_path):

@@ -51,6 +51,12 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
+def _is_orbax(path: Path) -> bool:
+    """Whether `path` is an Orbax checkpoint folder (its step folders) or one of its steps."""
+    steps = [path, *(p for p in path.iterdir() if p.name.isdigit())]
+    return any((step / "_CHECKPOINT_METADATA").is_file() for step in steps)
+
+
 def read_hf_config(path: str | Path, *, revision: str | None = None) -> dict[str, Any]:
     """The `config.json` of a checkpoint folder or Hub repo id (at `revision`) as a dict; a missing or
     malformed file is one `PretrainedError`."""
@@ -60,6 +66,10 @@ def read_hf_config(path: str | Path, *, revision: str | None = None) -> dict[str
         raise PretrainedError(f"checkpoint folder {str(path)!r} does not exist; pass the folder that holds "
                               f"config.json and the *.safetensors files")
     if not file.is_file():
+        if _is_orbax(path):
+            raise PretrainedError(f"{str(path)!r} is a bdlm stage checkpoint (Orbax steps), not a Hugging Face "
+                                  f"folder: a preset adopts it as [teacher] / [student] checkpoint = ..., and a "
+                                  f"stage exports a Hugging Face copy with [run] export = true")
         raise PretrainedError(f"{str(file)!r} is missing: a Hugging Face checkpoint folder has a config.json beside "
                               f"its weights; copy it from the checkpoint's source")
     try:
