@@ -298,3 +298,17 @@ def test_a_run_folder_that_cannot_be_made_is_refused_by_key(tmp_path, capsys):
             main(["run", str(preset), "--run-id", run_id])
         assert exit_.value.code == 2 and f"--run-id {run_id!r}: a run id names one folder" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_stages_command_names_a_folder_given_as_a_preset_and_a_damaged_summary(tmp_path, capsys):
+    from bd_train.stages.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", str(tmp_path)])
+    assert exit_.value.code == 2 and "is a folder; give a preset's .toml file" in capsys.readouterr().err
+    preset = tmp_path / "p.toml"
+    preset.write_text(f"[run]\noutput_dir = '{tmp_path / 'runs'}'\n")
+    (tmp_path / "runs" / "latest").mkdir(parents=True)
+    (tmp_path / "runs" / "latest" / "summary.json").write_text("{cut short")
+    assert main(["summary", str(preset)]) == 1
+    assert "summary.json: not a summary this version can read (JSONDecodeError" in capsys.readouterr().err

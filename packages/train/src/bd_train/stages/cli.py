@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     if not run_id.strip() or set("/\\") & set(run_id) or run_id in (".", ".."):
         parser.error(f"--run-id {run_id!r}: a run id names one folder under <output_dir>/pipeline/; give a name "
                      f"without slashes")
+    if args.preset.is_dir():
+        parser.error(f"{args.preset}: is a folder; give a preset's .toml file (e.g. flows/configs/default.toml)")
     if not args.preset.is_file():
         parser.error(f"{args.preset}: no such preset file")
     try:
@@ -87,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     if not path.is_file():
         print(f"{path}: no summary yet; run the pipeline on {args.preset} first (make run)", file=sys.stderr)
         return 1
-    print_summary(path)
+    try:
+        print_summary(path)
+    except (ValueError, KeyError, TypeError) as err:  # JSONDecodeError is a ValueError
+        print(f"{path}: not a summary this version can read ({type(err).__name__}: {err}); rerun the run's command "
+              f"(finished stages are restored, not retrained) to write it again", file=sys.stderr)
+        return 1
     return 0
 
 
