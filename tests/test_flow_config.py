@@ -102,6 +102,8 @@ def test_the_studys_rft_arm_samples_as_its_grpo_arm(tmp_path):
         ("[run]\nallow_changes = ['sft.optim.lr']\n", "run.allow_changes: expected a fingerprint field under one of"),
         ("[run]\nallow_changes = ['training.grpo.optim.lrr']\n",
          "run.allow_changes: 'training.grpo.optim.lrr': [grpo.optim] has no key 'lrr'"),
+        ("[run]\nallow_changes = ['identity.archtecture.d_model', 'identity.architecture.d_modl']\n",
+         "run.allow_changes: 'identity.architecture.d_modl': a model's architecture has no key 'd_modl'"),
         ("[task]\nname = 'sort'\nparams = 4\n", "task.params: expected a table (e.g. { key = value }), got 4"),
         ("[sft]\nteacher_steps = -1\n", "sft.teacher_steps: expected a value > 0, got -1"),
         ("[grpo.optim]\nb2 = 1.0\n", "grpo.optim.b2: expected a decay in [0, 1), got 1.0"),

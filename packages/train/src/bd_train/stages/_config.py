@@ -14,6 +14,7 @@ from typing import Any
 
 from bd_core import ConfigError, config_error
 from bd_data import CanvasConfig, ChatTemplate, ChatTemplateError, load_chat_template
+from bd_models import ModelConfig
 
 from ._config_io import build, to_dict
 from ._sections import MeshSection, ModelSection, TaskSection, TokenizerSection
@@ -148,6 +149,12 @@ class PipelineConfig:
         self._check_batches_split_over_the_mesh()
         for change in self.run.allow_changes:  # a misspelt training field would otherwise allow nothing, silently
             parts = change.split(".")
+            if parts[:2] == ["identity", "architecture"] and len(parts) > 2:
+                known = {f.name for f in dataclasses.fields(ModelConfig)}
+                if parts[2] not in known:
+                    raise ConfigError(f"run.allow_changes: {change!r}: a model's architecture has no key {parts[2]!r} "
+                                      f"(it has {', '.join(sorted(known))}); name a field as a refused resume names it")
+                continue
             if parts[0] != "training" or len(parts) < 3 or parts[1] not in ("task", "sft", "opd", "grpo", "rft"):
                 continue
             value: Any = to_dict(getattr(self, parts[1]))
