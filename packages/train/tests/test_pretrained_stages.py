@@ -213,3 +213,14 @@ def test_sft_from_another_stages_model_with_lora_trains_adapters_on_it_and_reads
         checkpoints.save(state, fingerprints=pinned)
     restored = run.restore_model(tmp_path / "sft-student", config, identity, what="the SFT result")
     assert restored.config == config
+
+
+def test_a_checkpoint_without_its_tokenizer_file_names_where_the_tokenizer_comes_from(tmp_path):
+    folder = tmp_path / "sdar"
+    shutil.copytree(FIXTURES / "sdar", folder)
+    (folder / "tokenizer.json").unlink()
+    config = parse_pipeline_config(_preset(folder, folder))
+    with pytest.raises(StageError, match=r"^the pretrained checkpoint's tokenizer.json: '.*sdar/tokenizer.json' does "
+                                         r"not exist; copy the checkpoint's tokenizer.json there, or set \[tokenizer\] "
+                                         r"path"):
+        check_adopted(config)

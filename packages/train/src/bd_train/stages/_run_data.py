@@ -78,6 +78,11 @@ class RunData:
         path = self.config.tokenizer_file
         if path is None:
             return ByteTokenizer()
+        if not Path(path).is_file():
+            key = "tokenizer.path" if section.path else "the pretrained checkpoint's tokenizer.json"
+            raise StageError(f"{key}: {path!r} does not exist; copy the checkpoint's tokenizer.json there, or set "
+                             f"[tokenizer] path to one (with no pretrained model and no path, the byte tokenizer "
+                             f"needs no file)")
         try:
             named = special_tokens(tokenizer_config(Path(path).parent))
         except TokenizerError as err:
