@@ -135,6 +135,13 @@ def test_stray_temp_dir_is_ignored_and_missing_dirs_are_clear(tmp_path):
         Checkpointer(tmp_path / "nowhere", create=False)
     with Checkpointer(tmp_path / "empty") as checkpointer, pytest.raises(CheckpointError, match="no checkpoint"):
         checkpointer.restore(state)
+    # the folder above a stage's checkpoint names the ones inside; a file is not a folder
+    with Checkpointer(tmp_path, create=False) as checkpointer, pytest.raises(
+            CheckpointError, match=r"no checkpoint in .*, but its folders \['ckpt'\] hold some; give one of them"):
+        checkpointer.restore(state)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(CheckpointError, match="a_file is a file; a checkpoint is a folder of step folders"):
+        Checkpointer(tmp_path / "a_file", create=False)
 
 
 def test_sigterm_saves_the_current_step_and_stops(tmp_path, toy_model, batch_factory):

@@ -91,6 +91,8 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, async_save: bool = False,
                  create: bool = True):
         self.directory = os.path.abspath(os.fspath(directory))
+        if os.path.isfile(self.directory):
+            raise CheckpointError(f"{self.directory} is a file; a checkpoint is a folder of step folders")
         if not create and not os.path.isdir(self.directory):
             raise CheckpointError(f"checkpoint directory {self.directory} does not exist; check the path, or pass "
                                   "create=True to start a new one")
@@ -122,8 +124,13 @@ class Checkpointer:
     def _resolve(self, step: int | None) -> int:
         steps = self.all_steps()
         if not steps:
-            raise CheckpointError(f"no checkpoint in {self.directory}; train from scratch or point to the directory "
-                                  "a previous run saved into")
+            inside = sorted(entry.name for entry in os.scandir(self.directory) if entry.is_dir()
+                            and any(name.isdigit() for name in os.listdir(entry.path)))
+            if inside:  # the folder above a run's stage checkpoints
+                raise CheckpointError(f"no checkpoint in {self.directory}, but its folders {inside} hold some; give "
+                                      f"one of them (e.g. {os.path.join(self.directory, inside[-1])!r})")
+            raise CheckpointError(f"no checkpoint in {self.directory}; point to the folder a previous run saved a "
+                                  "stage into (<output_dir>/pipeline/<run>/checkpoints/<stage>)")
         if step is None:
             return steps[-1]
         if step not in steps:
