@@ -229,6 +229,17 @@ def test_unknown_topologies_and_meshes_are_refused_by_name(tmp_path):
     assert done.returncode == 2 and "data*fsdp*model = 1*8*1 = 8 but v5e:2x2 has 4 chips" in done.stderr
 
 
+def test_flags_a_user_mistypes_are_refused_before_anything_compiles(capsys):
+    from bd_train.plan import main
+
+    for flags, message in ((["--mesh", "data=0,fsdp=4"], "each N >= 1"),
+                           (["--mesh", "data=4,data=2"], "data is given twice; give each axis once"),
+                           (["--largest-batch", "-1"], "--largest-batch -1: the doublings to try must be at least 1")):
+        with pytest.raises(SystemExit) as exit_:
+            main([str(SMOKE), "--topology", "v5e:2x2", *flags])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err, flags
+
+
 def test_a_batch_the_slice_cannot_split_is_planned_with_fewer_microbatches(tmp_path):
     """OPD's 8 prompts in 4 microbatches are 2 rows each, which 4 data-parallel chips cannot
     split: the stage is planned with 2 microbatches, and says so. `--cost "train step"` costs the

@@ -364,11 +364,17 @@ def largest_batch(data: dict, stage: str, topology_name: str, *, mesh: dict[str,
 
 def _mesh_arg(text: str) -> dict[str, int]:
     out = {"data": 1, "fsdp": 1, "model": 1}
+    seen = set()
     for part in text.split(","):
         key, _, value = part.partition("=")
-        if key.strip() not in out or not value.strip().isdigit():
-            raise argparse.ArgumentTypeError(f"--mesh {text!r}: expected data=N,fsdp=N,model=N (any of them)")
-        out[key.strip()] = int(value)
+        key = key.strip()
+        if key not in out or not value.strip().isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"--mesh {text!r}: expected data=N,fsdp=N,model=N (any of them, each "
+                                             f"N >= 1)")
+        if key in seen:
+            raise argparse.ArgumentTypeError(f"--mesh {text!r}: {key} is given twice; give each axis once")
+        seen.add(key)
+        out[key] = int(value)
     return out
 
 
@@ -404,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.num_slices < 1:
         parser.error(f"--num-slices {args.num_slices}: a plan is of one slice or more")
+    if args.largest_batch is not None and args.largest_batch < 1:
+        parser.error(f"--largest-batch {args.largest_batch}: the doublings to try must be at least 1")
     if args.json and (error := output_path_error("--json", args.json, "plan.json")):  # now: a plan takes minutes
         parser.error(error)
     path = Path(args.preset)
