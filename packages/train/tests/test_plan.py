@@ -252,7 +252,8 @@ def test_a_batch_the_slice_cannot_split_is_planned_with_fewer_microbatches(tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     assert plan["preset"] == "split.toml"
     opd = plan["stages"][0]
-    assert opd["fits"] and opd["planned_with"].startswith("[opd] microbatches = 2 (as configured: batch size = 2")
+    assert opd["fits"] and opd["planned_with"].startswith("[opd] microbatches = 2 (as configured: [opd] "
+                                                           "prompts_per_step = 8 in 4 microbatch(es) gives 2 rows")
     assert "planning it with [opd] microbatches = 2" in done.stderr and "planned with [opd]" in done.stdout
     programs = {p["program"]: p for p in opd["programs"]}
     assert {"teacher forward", "streamed step: accumulate", "streamed step: apply"} <= set(programs)
