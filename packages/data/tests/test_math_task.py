@@ -56,8 +56,11 @@ def test_file_errors_name_file_and_line(tmp_path):
     bad.write_text('{"prompt": "a", "answer": 1/2}\n')
     with pytest.raises(JsonlError, match=rf"^{bad}:1: invalid JSON"):
         get_task("math", path=str(bad))
-    with pytest.raises(JsonlError, match=r"no such file; pass the path of a JSONL file with \['prompt', 'answer'\]"):
+    with pytest.raises(ConfigError, match=r"^MathTask.path: expected an existing JSONL file .*; nothing is at "
+                                          r"'.*missing.jsonl' \(a relative path starts at the folder the command runs"):
         get_task("math", path=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ConfigError, match=r"^MathTask.eval_path: expected an existing JSONL file"):
+        get_task("math", path=str(bad), eval_path=str(tmp_path / "missing.jsonl"))
     tiny = _write(tmp_path / "tiny.jsonl", [{"prompt": "Problem 0: what is it?", "answer": "1"}])
     with pytest.raises(JsonlError, match="none of its 1 records falls in the eval split.*pass eval_path="):
         get_task("math", path=tiny)

@@ -79,6 +79,10 @@ class MathTask(Task):
             value = getattr(self, field)
             if not (isinstance(value, str) and value) and not (field == "eval_path" and value is None):
                 raise config_error(owner, field, value, "the path of a JSONL file with 'prompt' and 'answer' per line")
+            if value is not None and not Path(value).is_file():
+                raise config_error(owner, field, value, "an existing JSONL file with 'prompt' and 'answer' per line",
+                                   f"nothing is at {str(Path(value).absolute())!r} (a relative path starts at the "
+                                   f"folder the command runs in)")
         self._check_range("max_chars", 1, 100_000)
         timeout = self.timeout_s
         if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not 0 < timeout <= 60:
