@@ -90,3 +90,27 @@ def test_the_cache_rope_angles_are_the_computed_ones_bit_for_bit(scaled):
     computed = jax.jit(lambda p: rope_angles(p, config))(positions)
     for a, b in zip(looked_up, computed, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("attention", ["dense", "blocked"])
+def test_padding_ids_outside_the_vocabulary_change_no_valid_output(layouts, attention):
+    """Padding (invalid positions) is never attended, whatever id it holds: -100 or an id past the
+    vocabulary (which would embed as NaN, and 0 x NaN in the masked attention turned the row's
+    real logits to NaN) give the valid positions' logits bit for bit, packed and cached."""
+    packed = layouts(2, batch=3)
+    layout = packed.layout
+    model = BlockDiffusionLM(CONFIG.replace(attention=attention), key=jax.random.key(4))
+    valid = np.asarray(layout.valid)
+    reference = np.asarray(jax.jit(model.__call__)(layout))
+    prompt = np.arange(packed.prompt_len)
+    cache = model.init_cache(layout.shape[0], packed.canvas_len)
+    step = jax.jit(lambda chunk, cache: model.forward_cached(chunk, cache, commit=chunk.valid))
+    cached_reference, _ = step(_chunk(layout, prompt), cache)
+    for pad in (-100, CONFIG.vocab_size + 5):
+        padded = ViewLayout.create(np.where(valid, np.asarray(layout.tokens), pad), layout.positions, layout.block_ids,
+                                   layout.view_ids, layout.valid)
+        logits = np.asarray(jax.jit(model.__call__)(padded))
+        np.testing.assert_array_equal(logits[valid], reference[valid])
+        cached, _ = step(_chunk(padded, prompt), cache)
+        keep = valid[:, prompt]
+        np.testing.assert_array_equal(np.asarray(cached)[keep], np.asarray(cached_reference)[keep])

@@ -61,6 +61,13 @@ def head_logits(h_BxTxD: Float[Array, "B T D"], weight: Float[Array, "V D"] | Fl
     return logits_BTxV.reshape(b, t, -1)
 
 
+def _input_ids(layout: ViewLayout) -> Int[Array, "B T"]:
+    """The ids to embed: the layout's tokens, with 0 at invalid (padding) positions. A padding id
+    outside the vocabulary (-100, or an id past `vocab_size`) would embed as NaN, and the masked
+    attention's zero weights times NaN values would turn its row's real outputs to NaN."""
+    return jnp.where(jnp.asarray(layout.valid), jnp.asarray(layout.tokens), 0)
+
+
 class BlockDiffusionLM(eqx.Module):
     """The block-diffusion decoder: bidirectional inside a block, causal across blocks.
 
@@ -127,7 +134,7 @@ class BlockDiffusionLM(eqx.Module):
         return embed_rows(self.embedding, jnp.asarray(tokens), self.config.compute_jnp_dtype)
 
     def __call__(self, layout: ViewLayout) -> Float[Array, "B T V"]:
-        return self.embed_forward(self.embed(layout.tokens), layout)
+        return self.embed_forward(self.embed(_input_ids(layout)), layout)
 
     def embed_forward(self, x: Float[Array, "B T D"], layout: ViewLayout) -> Float[Array, "B T V"]:
         """The forward from input embeddings (what gradient-through-the-mask tests differentiate)."""
@@ -136,7 +143,7 @@ class BlockDiffusionLM(eqx.Module):
     def features(self, layout: ViewLayout) -> Float[Array, "B T D"]:
         """The final hidden states (after the final norm, in the compute dtype): `unembed` of them
         is `self(layout)`. Losses that never hold every logit at once read these (`map_logits`)."""
-        return self._decode(self.embed(layout.tokens), layout)
+        return self._decode(self.embed(_input_ids(layout)), layout)
 
     def _decode(self, x: Float[Array, "B T D"], layout: ViewLayout) -> Float[Array, "B T D"]:
         config = self.config
@@ -202,7 +209,7 @@ class BlockDiffusionLM(eqx.Module):
         cache_meta = cache.meta()
 
         # A Python loop, not a scan: scanning over a stacked cache would copy each layer's slice.
-        x_BxTxD, new_k, new_v = self.embed(chunk.tokens), [], []
+        x_BxTxD, new_k, new_v = self.embed(_input_ids(chunk)), [], []
         for i, layer in enumerate(self.layer_list() if layers is None else layers):
             q, k, v = layer.qkv(x_BxTxD, cos, sin, config)
             q_BxKxGxTxE, k_BxKxTxE, v_BxKxTxE = _heads_first(q, k.astype(cache.k[i].dtype), v.astype(cache.v[i].dtype))
