@@ -86,6 +86,16 @@ def test_architecture_options_follow_the_checkpoint():
     assert all(getattr(default.layers, f) is None for f in ("q_norm", "k_norm", "bq", "bk", "bv"))
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "sdar"])
+def test_a_config_without_head_dim_gets_its_familys_default_of_128(arch):
+    """transformers' Qwen3Config and SDAR's SDARConfig default head_dim to 128, not hidden_size /
+    heads as Qwen2 and Llama do."""
+    from bd_models import model_config_from_hf, read_hf_config
+
+    raw = {k: v for k, v in read_hf_config(FIXTURES / arch).items() if k != "head_dim"}
+    assert model_config_from_hf(raw, block_size=4).head_dim == 128
+
+
 def test_sdar_block_size_comes_from_its_config_and_autoregressive_needs_one():
     assert from_pretrained(FIXTURES / "sdar").config.block_size == 4
     with pytest.raises(PretrainedError, match="no block size.*pass block_size="):

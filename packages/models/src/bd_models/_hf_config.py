@@ -93,8 +93,9 @@ def model_config_from_hf(raw: Mapping[str, Any], *, where: str = "config.json", 
     tie = raw.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise PretrainedError(f"{where}: tie_word_embeddings = {tie!r}; expected true or false (JSON booleans)")
-    # transformers' Qwen3Config defaults head_dim to 128, not hidden_size / heads (Qwen2's and Llama's)
-    head_dim = raw.get("head_dim") or (128 if model_type == "qwen3" else 0)
+    # transformers' Qwen3Config and SDAR's SDARConfig default head_dim to 128, not hidden_size / heads
+    # (Qwen2's and Llama's)
+    head_dim = raw.get("head_dim") or (128 if model_type in ("qwen3", "sdar") else 0)
     try:
         theta, scaling = _rope(raw, where)
         return ModelConfig(
