@@ -128,6 +128,19 @@ def test_import_export_import_is_bit_exact(arch, tmp_path):
     assert written["model_type"] == read_hf_config(FIXTURES / arch)["model_type"]
 
 
+def test_float32_master_weights_export_in_the_dtype_asked(tmp_path):
+    """A bfloat16 release read with float32 master weights (the default) exports at its own size
+    with dtype="bfloat16": the same tensors, bit for bit, as a bfloat16 import exports."""
+    bf16 = save_pretrained(from_pretrained(FIXTURES / "qwen3", block_size=4, param_dtype="bfloat16"), tmp_path / "a")
+    cast = save_pretrained(from_pretrained(FIXTURES / "qwen3", block_size=4), tmp_path / "b", dtype="bfloat16")
+    assert read_hf_config(cast)["torch_dtype"] == "bfloat16"
+    for a, b in zip(_leaves(from_pretrained(bf16, param_dtype="bfloat16")),
+                    _leaves(from_pretrained(cast, param_dtype="bfloat16")), strict=True):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+    with pytest.raises(PretrainedError, match=r"dtype 'int8' is not one of \['float32', 'bfloat16', 'float16'\]"):
+        save_pretrained(from_pretrained(FIXTURES / "qwen3", block_size=4), tmp_path / "c", dtype="int8")
+
+
 def test_bfloat16_import_and_export_round_trip(tmp_path):
     model = from_pretrained(FIXTURES / "qwen3", block_size=4, param_dtype="bfloat16")
     assert {x.dtype for x in jax.tree.leaves(model)} == {jnp.dtype("bfloat16")}

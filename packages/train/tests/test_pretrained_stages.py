@@ -224,3 +224,23 @@ def test_a_checkpoint_without_its_tokenizer_file_names_where_the_tokenizer_comes
                                          r"not exist; copy the checkpoint's tokenizer.json there, or set \[tokenizer\] "
                                          r"path"):
         check_adopted(config)
+
+
+def test_an_export_keeps_the_released_dtype(tmp_path):
+    """A checkpoint released in bfloat16 trains in float32 master weights and exports in bfloat16,
+    at its own size (it came back float32, twice the bytes, with another torch_dtype)."""
+    from bd_train.stages import RunDir
+
+    folder = tmp_path / "sdar"
+    shutil.copytree(FIXTURES / "sdar", folder)
+    raw = read_hf_config(folder)
+    (folder / "config.json").write_text(json.dumps({**raw, "torch_dtype": "bfloat16"}))
+    config = parse_pipeline_config({**_preset(folder, folder), "run": {"output_dir": str(tmp_path / "runs")}})
+    run = Run(config, RunDir.create(config, run_id="export"))
+    model = run.pretrained_model("student")
+    assert {x.dtype for x in jax.tree.leaves(model)} == {np.dtype("float32")}
+    exported = run.export(model, "sft-student", "student")
+    assert read_hf_config(exported)["torch_dtype"] == "bfloat16"
+    again = from_pretrained(exported, param_dtype="bfloat16")
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b.astype("bfloat16")))

@@ -348,11 +348,17 @@ def _named_tensors(model: BlockDiffusionLM) -> Iterator[tuple[str, Callable[[], 
 SOURCE = "bdlm_source.json"
 
 
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what `save_pretrained` writes tensors in
+
+
 def save_pretrained(model: BlockDiffusionLM, path: str | Path, *, model_type: str | None = None,
                     base_config: Mapping[str, Any] | None = None, max_shard_bytes: int = 5 * 2**30,
-                    source: Mapping[str, Any] | None = None) -> Path:
+                    source: Mapping[str, Any] | None = None, dtype: str | None = None) -> Path:
     """Write `model` as a Hugging Face checkpoint folder: config.json (4.x form) and safetensors,
-    split into `model-0000i-of-0000n.safetensors` with an index past `max_shard_bytes`.
+    split into `model-0000i-of-0000n.safetensors` with an index past `max_shard_bytes`. The tensors
+    are in `dtype` (`float32`, `bfloat16` or `float16`; default the model's parameter dtype): a
+    bfloat16 release imported with float32 master weights (`from_pretrained`'s default) exports at
+    its own size with `dtype="bfloat16"`.
     `model_type` defaults to `base_config`'s (the imported checkpoint's, whose other keys are kept)
     or to the layout the model's options imply (`qwen3`, `qwen2`, `llama`). With several processes,
     every process must call it (tensors are gathered); process 0 writes. `source` (JSON-ready: where
@@ -372,7 +378,9 @@ def save_pretrained(model: BlockDiffusionLM, path: str | Path, *, model_type: st
         raise PretrainedError(f"save_pretrained: model_type {model_type!r} is not one of {sorted(ARCHITECTURES)}")
     path = Path(path)
     writer = jax.process_index() == 0
-    torch_dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[config.param_dtype]
+    torch_dtype = dtype or config.param_dtype
+    if torch_dtype not in EXPORT_DTYPES:
+        raise PretrainedError(f"save_pretrained: dtype {torch_dtype!r} is not one of {list(EXPORT_DTYPES)}")
     content = hf_config(config, model_type, base=base_config, torch_dtype=torch_dtype)
     if writer:
         path.mkdir(parents=True, exist_ok=True)
@@ -395,6 +403,7 @@ def save_pretrained(model: BlockDiffusionLM, path: str | Path, *, model_type: st
 
     for name, get in _named_tensors(model):
         value = get()
+        value = value if value.dtype == jnp.dtype(torch_dtype) else value.astype(jnp.dtype(torch_dtype))
         if size and size + value.nbytes > max_shard_bytes:
             flush()
             size = 0

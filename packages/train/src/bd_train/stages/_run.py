@@ -303,7 +303,8 @@ class Run(RunData):
 
     def export(self, model: BlockDiffusionLM, stage: str, role: str) -> Path:
         """`model` (adapters merged) as a Hugging Face checkpoint in `<run>/export/<stage>`: the
-        pretrained source's config keys kept, the block size and mask token id recorded, and the
+        pretrained source's config keys kept and its dtype (a bfloat16 release exports in bfloat16,
+        whatever the master weights trained in), the block size and mask token id recorded, and the
         tokenizer as used (with the chat template in `chat_template.jinja` when prompts used one)."""
         model = merge(model)
         folder = Path(self.where.run_dir) / "export" / stage
@@ -314,7 +315,9 @@ class Run(RunData):
         source = {"stage": stage, "role": role, "run": str(self.where.run_dir)}
         if section.source is not None:
             source["pretrained"] = section.source.to_dict()
-        save_pretrained(model, folder, base_config=base, source=source)
+        released = base.get("torch_dtype") or base.get("dtype")
+        dtype = released if released in ("float32", "bfloat16", "float16") else None
+        save_pretrained(model, folder, base_config=base, source=source, dtype=dtype)
         if jax.process_index() == 0 and isinstance(tok, HFTokenizer):
             tok.save(folder / "tokenizer.json")
             names = {"mask_token": tok.token(tok.mask_id), "eos_token": tok.token(tok.eos_id)}
