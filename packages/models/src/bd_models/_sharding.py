@@ -91,7 +91,8 @@ def leaf_name(path) -> str:
 def param_partition_specs(model, mesh: Mesh | None = None):
     """A pytree like `model` with a `PartitionSpec` per array. With `mesh`, a dimension that its
     axis does not divide raises `MeshError` naming the parameter; the embedding and the head split
-    their vocabulary over `fsdp` where it divides it (`vocab_split`; without `mesh`, always)."""
+    their vocabulary over `fsdp` where it divides it (`vocab_split`; without `mesh`, always), and
+    never over `model`: on a mesh with `fsdp` = 1 every chip holds them whole."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     by_vocab = vocab is not None and (mesh is None or vocab_split(vocab, mesh.shape["fsdp"]))
     specs = {**_SPECS, **_VOCAB_SPECS} if by_vocab else _SPECS
