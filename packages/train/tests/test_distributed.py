@@ -169,6 +169,25 @@ def test_process_group_from_the_environment():
         ProcessGroup.from_env({**env, "BDLM_PROCESS_ID": "one"})
 
 
+def test_a_service_that_still_holds_the_port_refuses_a_second_one(capfd):
+    """gRPC binds with SO_REUSEPORT: a second coordination service on the port of one that still
+    runs (a lingering one, after its process 0 died) started too, and a group's processes could
+    split between the two and time out. The second now refuses, saying why."""
+    from bd_train._coordinator import ServiceHost, port_taken
+
+    address = f"[::]:{free_port()}"
+    assert port_taken(address) is None
+    first = ServiceHost.start(address, 1, heartbeat_s=10, shutdown_s=10, linger_s=1.0)
+    try:
+        assert port_taken(address) is not None
+        with pytest.raises(DistributedError, match="coordination service did not start"):
+            ServiceHost.start(address, 1, heartbeat_s=10, shutdown_s=10, linger_s=1.0)
+        assert "a previous group's service may still be listening there" in capfd.readouterr().err
+    finally:
+        first.stop()
+    assert port_taken(address) is None
+
+
 def test_a_bad_lost_after_is_named(monkeypatch):
     from bd_train.distributed import initialize
 

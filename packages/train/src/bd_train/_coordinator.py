@@ -9,8 +9,10 @@ process and stop with bdlm's message (`_distributed`). Run as `python -m bd_trai
 
 from __future__ import annotations
 
+import errno
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -62,6 +64,26 @@ class ServiceHost:
             self.proc.wait()
 
 
+def port_taken(bind_address: str) -> str | None:
+    """Why the port of `bind_address` (`host:port`, `[::]:port`) is taken, or None when it is free.
+    gRPC binds with SO_REUSEPORT, so a second service on a port that a lingering one still holds
+    would start too, and split the group's processes between them; a plain bind (which refuses a
+    port another socket listens on, whatever its options) tells the two apart first."""
+    host, _, port = bind_address.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT owns nothing
+            probe.bind((host, int(port)))
+    except OSError as err:  # only "in use" is an answer; anything else (no IPv6 here, say) is gRPC's to judge
+        if err.errno == errno.EADDRINUSE:
+            return err.strerror or str(err)
+    except ValueError:  # not host:port: gRPC names it
+        pass
+    return None
+
+
 def main(argv: list[str]) -> int:
     bind_address, num_processes, heartbeat_s, shutdown_s, linger_s = argv
     # A signal to the job (Ctrl-C in a terminal, a preemption's SIGTERM to every process of the pod)
@@ -70,6 +92,12 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from jaxlib import _jax  # pyright: ignore[reportAttributeAccessIssue]  (the service alone: no backend)
 
+    taken = port_taken(bind_address)
+    if taken is not None:
+        print(f"bdlm: the coordination service cannot start on {bind_address}: {taken}; a previous group's service "
+              f"may still be listening there (one lingers up to a few minutes after its process 0 dies): wait for "
+              f"it to end, or give this group another port (BDLM_COORDINATOR_PORT)", file=sys.stderr)
+        return 1
     try:
         service = _jax.get_distributed_runtime_service(bind_address, int(num_processes),
                                                        heartbeat_timeout=int(heartbeat_s),
