@@ -191,9 +191,9 @@ def _connect(group: ProcessGroup, *, init_timeout: int, heartbeat_timeout: int) 
     state.partition_index = None if partition is None else int(partition)
 
 
-def _lost(group: ProcessGroup, process: int | None, why: str) -> None:
-    """Say which process is lost and how to go on, and end this one (from any thread)."""
-    who = "a process" if process is None else f"process {process}"
+def _lost(group: ProcessGroup, who: str, why: str) -> None:
+    """Say what the group lost (`who`: a process, or its coordination service) and how to go on,
+    and end this process (from any thread)."""
     sys.stderr.write(
         f"\nbdlm: {who} of the {group.num_processes}-process group is lost ({why}); process {group.process_id} "
         f"stops too, since the group cannot go on without it. What was saved is complete (checkpoints are "
@@ -250,14 +250,15 @@ class _Watch(threading.Thread):
                     if value != seen:
                         last[p] = (value, now)
                     elif now - since > self.lost_after:
-                        _lost(self.group, p, f"sent no heartbeat for {now - since:.0f} s")
+                        _lost(self.group, f"process {p}", f"sent no heartbeat for {now - since:.0f} s")
                 unreachable_since = None
             except Exception as err:  # noqa: BLE001  (the coordinator's service is gone)
                 if self.finished.is_set():
                     return
                 unreachable_since = unreachable_since or now
                 if now - unreachable_since > min(self.lost_after, 5.0):
-                    _lost(self.group, 0, f"the coordinator no longer answers ({type(err).__name__})")
+                    _lost(self.group, "the coordination service (a process of its own beside process 0)",
+                          f"it no longer answers ({type(err).__name__})")
 
     def leave(self) -> None:
         """Say this process leaves normally (the others stop watching it), then stop."""
