@@ -82,12 +82,14 @@ class Tracker:
         for key, value in values.items():
             self.run.summary[key] = _scalar(value)
 
-    def finish(self) -> None:
-        """Finish the W&B run (an offline run is then complete on disk)."""
-        self.run.finish()
+    def finish(self, exit_code: int = 0) -> None:
+        """Finish the W&B run (an offline run is then complete on disk); a nonzero `exit_code`
+        marks it failed."""
+        self.run.finish(exit_code=exit_code)
 
     def __enter__(self) -> Tracker:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.finish()
+    def __exit__(self, kind, *exc) -> None:
+        # a stage that stops on an error, a guard's stop or a preemption is not a finished run
+        self.finish(exit_code=0 if kind is None else 1)
