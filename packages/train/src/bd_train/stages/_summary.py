@@ -37,6 +37,8 @@ def summarize(results: Mapping[str, StageResult], where: RunDir) -> dict[str, di
             continue
         metrics = evaluation.metrics()
         summary[row] = {key: metrics[key] for key in SUMMARY_KEYS if key in metrics} | dict(evaluation.pass_at_k)
+        for chosen in evaluation.best_of:  # `[eval] best_of`: best_of@<n>_<rule> and nfe_per_problem@<n>
+            summary[row] |= chosen.metrics()
         params = results[row].params
         if params:  # how many parameters the stage trained (LoRA: its adapters)
             summary[row] |= {f"params_{k}": v for k, v in params.items()}
