@@ -218,3 +218,6 @@ def test_the_group_is_detected_from_bdlm_variables_then_from_the_cluster(monkeyp
     monkeypatch.setenv("BDLM_NUM_PROCESSES", "4")
     monkeypatch.setenv("BDLM_PROCESS_ID", "3")
     assert ProcessGroup.detect() == (ProcessGroup("10.0.0.1:1234", 4, 3), "the BDLM_* environment")
+    monkeypatch.setenv("JAX_LOCAL_DEVICE_IDS", "1")  # JAX's one process per device: not how bdlm runs
+    with pytest.raises(DistributedError, match=r"JAX_LOCAL_DEVICE_IDS = '1': bdlm runs one process per host"):
+        ProcessGroup.detect()

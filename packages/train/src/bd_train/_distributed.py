@@ -90,6 +90,7 @@ class ProcessGroup:
         cluster detection (a Cloud TPU VM, SLURM, Kubernetes, Open MPI: `jax.distributed`'s
         environments), so one identical command on every host is the whole launch; else one
         process."""
+        _one_process_per_host()
         if any(os.environ.get(name) for name in (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV)):
             return cls.from_env(), "the BDLM_* environment"
         from jax._src import clusters  # jax.distributed's detection; no public handle returns what it found
@@ -103,6 +104,15 @@ class ProcessGroup:
         if count is None or count <= 1:
             return cls.single(), f"one process ({env.name} reports one)"
         return cls(address, int(count), int(index or 0)), f"JAX's {env.name} detection"
+
+
+def _one_process_per_host() -> None:
+    """On accelerators a group is one process per host over all of its devices (JAX's
+    one-process-per-device layout is not used); refuse, by name, a launch that asks a process to
+    use some of its host's devices, which would otherwise be ignored."""
+    if os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+        raise DistributedError(f"JAX_LOCAL_DEVICE_IDS = {os.environ['JAX_LOCAL_DEVICE_IDS']!r}: bdlm runs one "
+                               f"process per host over all its devices; unset it, and launch one process per host")
 
 
 def _int(environ, name: str) -> int:
