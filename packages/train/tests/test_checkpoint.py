@@ -197,17 +197,21 @@ def test_a_first_ctrl_c_saves_and_stops_and_a_second_interrupts_at_once():
     def save(state, final):
         saves.append((state.step, final))
 
-    previous = signal.getsignal(signal.SIGINT)
-    state, preempted = run_updates(SimpleNamespace(step=0), 10, update, save=save)
-    assert state.step == 3 and preempted and saves == [(3, True)]
-    assert signal.getsignal(signal.SIGINT) == previous
+    # Python's own handler before (a pytest-xdist worker ignores SIGINT), as in a terminal
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        state, preempted = run_updates(SimpleNamespace(step=0), 10, update, save=save)
+        assert state.step == 3 and preempted and saves == [(3, True)]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
-    def save_and_interrupt(state, final):
-        os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, while the first one's save runs
+        def save_and_interrupt(state, final):
+            os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, while the first one's save runs
 
-    with pytest.raises(KeyboardInterrupt):
-        run_updates(SimpleNamespace(step=0), 10, update, save=save_and_interrupt)
-    assert signal.getsignal(signal.SIGINT) == previous
+        with pytest.raises(KeyboardInterrupt):
+            run_updates(SimpleNamespace(step=0), 10, update, save=save_and_interrupt)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 def _array_files(directory, item: str = "model") -> list:

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 class _StopFlag:
     """Records SIGTERM and a first SIGINT while installed (main thread only; elsewhere signals
     cannot be caught). A first SIGINT hands SIGINT back to the handler that was there before
-    (Python's KeyboardInterrupt, by default), so that a second one interrupts at once."""
+    (Python's KeyboardInterrupt, by default), so that a second one interrupts at once. A
+    SIGINT the process was started ignoring (a background job's) stays ignored."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -43,7 +44,8 @@ class _StopFlag:
 
     def __enter__(self) -> _StopFlag:
         if self.enabled:
-            self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
+            self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS
+                              if signum == signal.SIGTERM or signal.getsignal(signum) is not signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc) -> None:
