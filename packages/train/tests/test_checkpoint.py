@@ -210,6 +210,9 @@ def test_a_first_ctrl_c_saves_and_stops_and_a_second_interrupts_at_once():
         with pytest.raises(KeyboardInterrupt):
             run_updates(SimpleNamespace(step=0), 10, update, save=save_and_interrupt)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # started ignoring it (a background job): it stays ignored
+        state, preempted = run_updates(SimpleNamespace(step=0), 10, update, save=save)
+        assert state.step == 10 and not preempted
     finally:
         signal.signal(signal.SIGINT, outer)
 
