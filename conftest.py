@@ -85,7 +85,7 @@ SLOW_FILES = {
     "packages/train/tests/test_streaming.py": 88,
     "packages/train/tests/test_learning.py": 61, "packages/models/tests/test_sampler.py": 58,
     "packages/train/tests/test_driver.py": 57, "tests/test_recipe.py": 55, "packages/train/tests/test_guard.py": 54,
-    "tests/test_sigkill.py": 54, "packages/train/tests/test_checkpoint.py": 51,
+    "tests/test_sigkill.py": 54, "packages/train/tests/test_checkpoint.py": 45,
     "packages/models/tests/test_sharding.py": 39,
 }
 

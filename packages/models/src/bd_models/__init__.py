@@ -20,11 +20,11 @@ from ._flops import model_flops as model_flops
 from ._hf_config import ARCHITECTURES as ARCHITECTURES
 from ._hf_config import PretrainedError as PretrainedError
 from ._hf_config import model_config_from_hf as model_config_from_hf
+from ._hf_export import save_pretrained as save_pretrained
 from ._hf_io import check_pretrained as check_pretrained
 from ._hf_io import checkpoint_digest as checkpoint_digest
 from ._hf_io import from_pretrained as from_pretrained
 from ._hf_io import read_hf_config as read_hf_config
-from ._hf_io import save_pretrained as save_pretrained
 from ._layers import DecoderLayer as DecoderLayer
 from ._layers import apply_rope as apply_rope
 from ._layers import rms_norm as rms_norm

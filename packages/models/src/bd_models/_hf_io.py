@@ -1,20 +1,20 @@
-"""`from_pretrained` and `save_pretrained`: Hugging Face checkpoints (config.json + safetensors,
-single file or sharded with its index) in and out, through safetensors' numpy API (no torch).
+"""`from_pretrained`: Hugging Face checkpoints (config.json + safetensors, single file or sharded
+with its index) in, through safetensors' numpy API (no torch); `_hf_export` writes them out.
 
 Import builds every parameter straight into its shards: each device's shard is read from the files
 as a slice (`safe_open(...).get_slice`), so besides the parameters a host holds one leaf's slices
 at a time, on any number of processes (bench/import_memory.py measures it). Linear weights are
 stored `[out, in]` in the files and `[in, out]` here; per-layer tensors are stacked on the leading
 layer axis. Added tokens (a mask token) get embedding (and untied head) rows equal to the mean of
-the existing rows. Export writes the same names back, sharded past `max_shard_bytes`; import -> export -> import
-is bit-exact.
+the existing rows. Export (`save_pretrained`) writes the same names back, sharded past
+`max_shard_bytes`; import -> export -> import is bit-exact.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +27,9 @@ from jax.sharding import Mesh, NamedSharding
 from bd_core import resolve_pretrained
 
 from ._config import ModelConfig
-from ._hf_config import ARCHITECTURES, PretrainedError, hf_config, model_config_from_hf
+from ._hf_config import PretrainedError, model_config_from_hf
 from ._model import BlockDiffusionLM
-from ._sharding import check_divisibility, param_partition_specs, to_host
+from ._sharding import check_divisibility, param_partition_specs
 
 # Our leaf -> (its name in the file, stored transposed). Layer names get "model.layers.{i}." first.
 _LAYER = {
@@ -328,97 +328,3 @@ def from_pretrained(path: str | Path, *, revision: str | None = None, block_size
     arrays, static = eqx.partition(opened.abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     built = jax.tree_util.tree_map_with_path(build, arrays, specs)
     return eqx.combine(built, static)
-
-
-def _named_tensors(model: BlockDiffusionLM) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
-    """(file name, a thunk giving the tensor) in file order, one tensor on the host at a time."""
-    config = model.config
-    table = _file_names(config)
-    for name, (leaf, layer) in table.items():
-        transposed = (_LAYER if layer >= 0 else _TOP)[leaf][1]
-        source = getattr(model, leaf) if layer < 0 else getattr(model.layers, leaf)
-
-        def get(source=source, layer=layer, transposed=transposed) -> np.ndarray:
-            value = to_host(source[layer] if layer >= 0 else source)
-            return np.ascontiguousarray(value.T if transposed else value)
-
-        yield name, get
-
-
-SOURCE = "bdlm_source.json"
-
-
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what `save_pretrained` writes tensors in
-
-
-def save_pretrained(model: BlockDiffusionLM, path: str | Path, *, model_type: str | None = None,
-                    base_config: Mapping[str, Any] | None = None, max_shard_bytes: int = 5 * 2**30,
-                    source: Mapping[str, Any] | None = None, dtype: str | None = None) -> Path:
-    """Write `model` as a Hugging Face checkpoint folder: config.json (4.x form) and safetensors,
-    split into `model-0000i-of-0000n.safetensors` with an index past `max_shard_bytes`. The tensors
-    are in `dtype` (`float32`, `bfloat16` or `float16`; default the model's parameter dtype): a
-    bfloat16 release imported with float32 master weights (`from_pretrained`'s default) exports at
-    its own size with `dtype="bfloat16"`.
-    `model_type` defaults to `base_config`'s (the imported checkpoint's, whose other keys are kept)
-    or to the layout the model's options imply (`qwen3`, `qwen2`, `llama`). With several processes,
-    every process must call it (tensors are gathered); process 0 writes. `source` (JSON-ready: where
-    the weights came from, e.g. a Hub repo and commit, and what trained them) is written beside as
-    `bdlm_source.json`, so an export says what it is."""
-    from safetensors.numpy import save_file
-
-    from ._hf_config import _layout_for
-    from ._lora import has_adapters
-
-    if has_adapters(model):
-        raise PretrainedError("save_pretrained: the model carries LoRA adapters; export merge(model) (the adapters "
-                              "folded into the weights) instead")
-    config = model.config
-    model_type = model_type or (base_config or {}).get("model_type") or _layout_for(config)
-    if model_type not in ARCHITECTURES:
-        raise PretrainedError(f"save_pretrained: model_type {model_type!r} is not one of {sorted(ARCHITECTURES)}")
-    path = Path(path)
-    writer = jax.process_index() == 0
-    torch_dtype = dtype or config.param_dtype
-    if torch_dtype not in EXPORT_DTYPES:
-        raise PretrainedError(f"save_pretrained: dtype {torch_dtype!r} is not one of {list(EXPORT_DTYPES)}")
-    content = hf_config(config, model_type, base=base_config, torch_dtype=torch_dtype)
-    if writer:
-        path.mkdir(parents=True, exist_ok=True)
-        for old in list(path.glob("model*.safetensors")) + [path / INDEX, path / SOURCE]:
-            old.unlink(missing_ok=True)
-        if source is not None:
-            (path / SOURCE).write_text(json.dumps(dict(source), indent=2, sort_keys=True) + "\n")
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size, total, weight_map = 0, 0, {}
-    files: list[str] = []
-
-    def flush():
-        if shards[-1] and writer:
-            name = f"part-{len(files)}"
-            save_file(shards[-1], str(path / (name + ".tmp")), metadata={"format": "pt"})
-            files.append(name)
-        elif shards[-1]:
-            files.append(f"part-{len(files)}")
-        shards[-1] = {}
-
-    for name, get in _named_tensors(model):
-        value = get()
-        value = value if value.dtype == jnp.dtype(torch_dtype) else value.astype(jnp.dtype(torch_dtype))
-        if size and size + value.nbytes > max_shard_bytes:
-            flush()
-            size = 0
-        shards[-1][name] = value
-        weight_map[name] = len(files)
-        size += value.nbytes
-        total += value.nbytes
-    flush()
-    if writer:
-        n = len(files)
-        final = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        for tmp, name in zip(files, final):
-            (path / (tmp + ".tmp")).rename(path / name)
-        if n > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": {k: final[i] for k, i in weight_map.items()}}
-            (path / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        (path / "config.json").write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
-    return path

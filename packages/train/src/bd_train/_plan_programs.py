@@ -18,11 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 from bd_core import DistillationBatch, as_loss_output
 from bd_models import (
-    MeshError,
     ModelConfig,
     SamplerConfig,
     batch_sharding,
-    check_divisibility,
     has_adapters,
     lower,
     lower_denoising_step,
@@ -36,7 +34,7 @@ from ._grpo import GRPOBatch, distribution_score, make_grpo_loss
 from ._opd import OPDConfig, make_opd_loss, teacher_head
 from ._optim import make_optimizer
 from ._plan_compile import Twin, figures, twin, twin_cost
-from ._plan_shapes import bytes_per_chip, diffusion_batch, model_maker, place_batch, place_state, sds
+from ._plan_shapes import bytes_per_chip, check_rows, diffusion_batch, model_maker, place_batch, place_state, sds
 from ._replay import replay_capacity
 from ._sft import sft_objective
 from ._tpu import refusal_bytes
@@ -251,19 +249,6 @@ def _rows(rows: int, mesh: jax.sharding.Mesh) -> int:
     return -(-rows // shards) * shards
 
 
-def _check_rows(config: ModelConfig, mesh: jax.sharding.Mesh, key: str, rows: int, microbatches: int) -> None:
-    """`check_divisibility` with the stage's rows per microbatch, a batch that does not split
-    named by its preset key."""
-    try:
-        check_divisibility(config, mesh, rows // microbatches)
-    except MeshError as err:
-        if not str(err).startswith("batch size"):
-            raise
-        chips = mesh.shape["data"] * mesh.shape["fsdp"]
-        raise MeshError(f"{key} = {rows} in {microbatches} microbatch(es) gives {rows // microbatches} rows per "
-                        f"microbatch, which the mesh's data x fsdp = {chips} chips must divide") from None
-
-
 def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str = "all",
                    approx_cost: bool = False, streamed: bool = False) -> list[_Program]:
     """Every program `stage` ("sft-teacher", "sft-student", "opd" or "grpo") of `run` (a
@@ -283,7 +268,7 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
     if stage.startswith("sft-"):
         role = stage.removeprefix("sft-")
         sft, model_config = cfg.sft, run.model_config(role)
-        _check_rows(model_config, mesh, "[sft] batch_size", sft.batch_size, sft.microbatches)
+        check_rows(model_config, mesh, "[sft] batch_size", sft.batch_size, sft.microbatches)
         length = context + canvas.max_new_tokens * sft.corruption.views
         optimizer = make_optimizer(run.optimizer_config(sft.optim, sft.steps_for(role)))
         trainer = Trainer(sft_objective, optimizer, TrainerConfig(microbatches=sft.microbatches, donate=True))
@@ -297,7 +282,7 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
     sampler = run.sampler_config(section.sampler)
     rows = section.prompts_per_step * (cfg.grpo.group_size if stage == "grpo" else 1)
     key = "[opd] prompts_per_step" if stage == "opd" else "[grpo] prompts_per_step x group_size"
-    _check_rows(student, mesh, key, rows, section.microbatches)
+    check_rows(student, mesh, key, rows, section.microbatches)
     length = context + replay_capacity(sampler) * canvas.block_size
     replay = diffusion_batch(rows, length)
     maker = functools.partial(model_maker, run, "student", stage)

@@ -18,7 +18,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bd_core import DiffusionTokenBatch, ViewLayout
-from bd_models import BlockDiffusionLM, add_lora, batch_sharding, param_partition_specs, read_hf_config
+from bd_models import (
+    BlockDiffusionLM,
+    MeshError,
+    ModelConfig,
+    add_lora,
+    batch_sharding,
+    check_divisibility,
+    param_partition_specs,
+    read_hf_config,
+)
 
 
 def sds(shape: tuple[int, ...], dtype: Any, sharding: Any = None) -> Any:
@@ -122,3 +131,16 @@ def model_maker(run: Any, role: str, stage: str, layers: int | None = None) -> C
         return model if lora is None else add_lora(model, lora, key=jax.random.key(1))
 
     return make
+
+
+def check_rows(config: ModelConfig, mesh: jax.sharding.Mesh, key: str, rows: int, microbatches: int) -> None:
+    """`check_divisibility` with the stage's rows per microbatch, a batch that does not split
+    named by its preset key."""
+    try:
+        check_divisibility(config, mesh, rows // microbatches)
+    except MeshError as err:
+        if not str(err).startswith("batch size"):
+            raise
+        chips = mesh.shape["data"] * mesh.shape["fsdp"]
+        raise MeshError(f"{key} = {rows} in {microbatches} microbatch(es) gives {rows // microbatches} rows per "
+                        f"microbatch, which the mesh's data x fsdp = {chips} chips must divide") from None
