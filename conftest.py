@@ -79,14 +79,14 @@ def _drop_compiled_programs():
 # (`--no-loadscope-reorder`; its default orders by test count, which left single-test chains of
 # minutes for the end, with one worker idle). Longest first keeps both workers busy to the end.
 SLOW_FILES = {
-    "tests/test_group.py": 513, "packages/train/tests/test_plan.py": 216, "tests/test_stages_mesh.py": 191,
-    "tests/test_pipeline.py": 157, "packages/train/tests/test_trainer.py": 133,
-    "packages/train/tests/test_distributed.py": 96, "tests/test_guides.py": 96,
-    "packages/train/tests/test_streaming.py": 88,
-    "packages/train/tests/test_learning.py": 61, "packages/models/tests/test_sampler.py": 58,
-    "packages/train/tests/test_driver.py": 57, "tests/test_recipe.py": 55, "packages/train/tests/test_guard.py": 54,
-    "tests/test_sigkill.py": 54, "packages/train/tests/test_checkpoint.py": 45,
-    "packages/models/tests/test_sharding.py": 39,
+    "tests/test_group.py": 468, "packages/train/tests/test_plan.py": 218, "tests/test_stages_mesh.py": 182,
+    "tests/test_pipeline.py": 170, "packages/train/tests/test_logits_chunks.py": 92,
+    "packages/train/tests/test_distributed.py": 90, "tests/test_guides.py": 80,
+    "packages/train/tests/test_trainer.py": 72, "packages/train/tests/test_driver.py": 64,
+    "packages/train/tests/test_checkpoint.py": 63, "packages/models/tests/test_sampler.py": 61,
+    "tests/test_sigkill.py": 55, "packages/train/tests/test_learning.py": 54, "packages/train/tests/test_guard.py": 53,
+    "tests/test_recipe.py": 52, "packages/models/tests/test_sharding.py": 51,
+    "packages/train/tests/test_streaming.py": 44,
 }
 
 
