@@ -134,13 +134,10 @@ def model_maker(run: Any, role: str, stage: str, layers: int | None = None) -> C
 
 
 def check_rows(config: ModelConfig, mesh: jax.sharding.Mesh, key: str, rows: int, microbatches: int) -> None:
-    """`check_divisibility` with the stage's rows per microbatch, a batch that does not split
-    named by its preset key."""
-    try:
-        check_divisibility(config, mesh, rows // microbatches)
-    except MeshError as err:
-        if not str(err).startswith("batch size"):
-            raise
-        chips = mesh.shape["data"] * mesh.shape["fsdp"]
+    """Each microbatch's rows split over the mesh's `data` x `fsdp` chips (refused naming the
+    preset key, as the preset's own mesh is at load), then `check_divisibility` of the model."""
+    chips = mesh.shape["data"] * mesh.shape["fsdp"]
+    if (rows // microbatches) % chips:
         raise MeshError(f"{key} = {rows} in {microbatches} microbatch(es) gives {rows // microbatches} rows per "
-                        f"microbatch, which the mesh's data x fsdp = {chips} chips must divide") from None
+                        f"microbatch, which the mesh's data x fsdp = {chips} chips must divide")
+    check_divisibility(config, mesh)
