@@ -52,6 +52,7 @@ from bd_models import MeshError
 from ._output_path import output_path_error
 from ._plan_compile import submit
 from ._plan_programs import COSTS, ProgramPlan, compile_program, stage_programs
+from ._plan_remedies import layout_remedy, microbatch_counts, remedies_for
 from ._plan_report import (
     LargestBatch,
     Plan,
@@ -156,62 +157,6 @@ def plan_stage(config: Any, stage: str, mesh_shape: dict[str, int], topo: Topolo
     return result
 
 
-def _microbatch_counts(config: dict, stage: str, mesh: dict[str, int]) -> tuple[str, int, list[int]]:
-    """The stage's section, its configured microbatch count, and every count that splits its rows
-    into microbatches whose rows the data-parallel chips divide."""
-    name = "sft" if stage.startswith("sft-") else stage
-    section = config.get(name, {})
-    defaults = {"sft": (128, 1), "opd": (64, 1), "grpo": (16, 8)}[name]
-    rows = section.get("batch_size" if name == "sft" else "prompts_per_step", defaults[0])
-    rows *= section.get("group_size", defaults[1]) if name == "grpo" else 1
-    shards = mesh["data"] * mesh["fsdp"]
-    return name, section.get("microbatches", 1), [m for m in range(1, rows + 1)
-                                                  if rows % m == 0 and (rows // m) % shards == 0]
-
-
-def _remedies(config: dict, stage: str, mesh: dict[str, int], over: float) -> list[tuple[str, dict, dict[str, int]]]:
-    """Single changes that cut a stage's memory, as (description, changed config data, mesh), for
-    a stage `over` times too large: more microbatches (the smallest count that might fit, then
-    twice it), remat `full`, `fsdp` over the data axis, LoRA."""
-    role = stage.removeprefix("sft-") if stage.startswith("sft-") else "student"
-    out = []
-
-    def changed(section: str, **values: Any) -> dict:
-        data = json.loads(json.dumps(config))
-        data.setdefault(section, {}).update(values)
-        return data
-
-    name, k, counts = _microbatch_counts(config, stage, mesh)
-    valid = [m for m in counts if m > k]
-    first = next((m for m in valid if m >= k * over), valid[-1] if valid else None)
-    for more in [m for m in valid if m >= (first or 0)][:2]:
-        out.append((f"[{name}] microbatches = {more}", changed(name, microbatches=more), mesh))
-    if config.get(role, {}).get("remat", "elementwise") != "full":
-        out.append((f'[{role}] remat = "full"', changed(role, remat="full"), mesh))
-    if mesh["data"] > 1:
-        folded = {"data": 1, "fsdp": mesh["data"] * mesh["fsdp"], "model": mesh["model"]}
-        out.append((f"[mesh] fsdp = {folded['fsdp']}, data = 1", config, folded))
-    lora = config.get(role, {}).get("lora")
-    if lora is None and (name != "sft" or config.get(role, {}).get("pretrained")):
-        adapters = {"rank": 16, "alpha": 32.0, "targets": ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"],
-                    "stages": [name]}
-        out.append((f"[{role}] lora = {{rank = 16, all seven projections, stages = [\"{name}\"]}}",
-                    changed(role, lora=adapters), mesh))
-    return out
-
-
-def _layout_remedy(config: dict, stage: str, mesh: dict[str, int]) -> tuple[str, dict] | None:
-    """For a stage whose rows per microbatch do not divide the data-parallel axes: the largest
-    microbatch count below the configured one that splits them, as (description, changed data)."""
-    name, k, counts = _microbatch_counts(config, stage, mesh)
-    valid = [m for m in counts if m < k]
-    if not valid:
-        return None
-    changed = json.loads(json.dumps(config))
-    changed.setdefault(name, {})["microbatches"] = valid[-1]
-    return f"[{name}] microbatches = {valid[-1]}", changed
-
-
 @_without_weights
 def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "all", num_slices: int = 1,
          mesh: dict[str, int] | None = None, remedies: bool = True, attention: str | None = None,
@@ -252,7 +197,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
             result = plan_stage(config, stage_name, mesh_shape, topo, log, memo=memo, cost=cost,
                                 approx_cost=approx_cost, streamed=streamed)
         except MeshError as err:  # e.g. a preset's microbatches made for fewer data-parallel chips
-            layout = _layout_remedy(data, stage_name, mesh_shape)
+            layout = layout_remedy(data, stage_name, mesh_shape)
             if layout is None:
                 raise
             description, stage_data = layout
@@ -263,7 +208,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
         if not result.fits and remedies:
             result.remedy = "no single change tried makes it fit"
             over = result.peak / (0.9 * topo.chip.usable_hbm)
-            for description, changed, changed_mesh in _remedies(stage_data, stage_name, mesh_shape, over):
+            for description, changed, changed_mesh in remedies_for(stage_data, stage_name, mesh_shape, over):
                 log(f"  {stage_name} does not fit ({result.peak / GiB:.1f} GiB): trying {description}")
                 try:
                     retry = plan_stage(pipeline_config(parse_pipeline_config(changed)), stage_name, changed_mesh, topo,
@@ -320,8 +265,8 @@ def largest_batch(data: dict, stage: str, topology_name: str, *, mesh: dict[str,
     config = pipeline_config(parse_pipeline_config(data))
     mesh_shape = mesh or {"data": config.mesh.data, "fsdp": config.mesh.fsdp, "model": config.mesh.model}
     memo = ({} if memo is None else memo).setdefault(f"{topology_name} x {num_slices}", {})
-    name, microbatches, counts = _microbatch_counts(data, stage, mesh_shape)
-    if microbatches not in counts and (layout := _layout_remedy(data, stage, mesh_shape)) is not None:
+    name, microbatches, counts = microbatch_counts(data, stage, mesh_shape)
+    if microbatches not in counts and (layout := layout_remedy(data, stage, mesh_shape)) is not None:
         log(f"  {stage}: searched at {layout[0]}, as the plan takes it")
         data, microbatches = layout[1], layout[1][name]["microbatches"]
     key = "batch_size" if name == "sft" else "prompts_per_step"
