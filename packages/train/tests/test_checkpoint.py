@@ -106,6 +106,19 @@ def test_rollout_semantics_mismatch_names_the_field(tmp_path):
         rollout_semantics({"temperature": 1.0}, prompt_len=8)
 
 
+def test_rollout_semantics_pin_bans_beyond_the_mask_and_pad_ids():
+    from bd_models import SamplerConfig, SamplingDistribution
+
+    plain = SamplerConfig(block_size=4, max_new_tokens=8, mask_id=14, pad_id=15)
+    banned = plain.replace(distribution=SamplingDistribution(banned_ids=(7,)))
+    assert plain.banned_ids == (14, 15)  # every sampler bans these: the fingerprint stays as it was
+    assert rollout_semantics(plain, prompt_len=8).fields == rollout_semantics(plain.to_dict(), prompt_len=8).fields
+    assert "banned_ids" not in rollout_semantics(plain, prompt_len=8).fields
+    assert rollout_semantics(banned, prompt_len=8).fields["banned_ids"] == [7]
+    mismatch = rollout_semantics(banned, prompt_len=8).diff(rollout_semantics(plain, prompt_len=8))
+    assert "banned_ids" in str(mismatch)
+
+
 def test_width_mismatch_fails_closed_naming_the_leaf(tmp_path):
     with Checkpointer(tmp_path) as checkpointer:
         checkpointer.save(_real_state(TINY))

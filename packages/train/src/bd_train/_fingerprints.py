@@ -51,7 +51,8 @@ def model_identity(architecture: Any, *, tokenizer: Any, vocab_size: int, mask_i
 
 def rollout_semantics(sampler: Any, *, prompt_len: int, trace_version: int = TRACE_VERSION) -> Fingerprint:
     """The sampling semantics a GRPO run's traces were recorded under (from a `SamplerConfig` or a
-    mapping with the same field names), plus the prompt length and the trace format version."""
+    mapping with the same field names), plus the prompt length and the trace format version; ids
+    the distribution bans besides the mask and pad ids (`banned_ids`) are pinned where there are any."""
     values = as_plain_dict(sampler, "rollout_semantics(sampler=...)")
     missing = [name for name in ROLLOUT_FIELDS if name not in values]
     if missing:
@@ -59,4 +60,10 @@ def rollout_semantics(sampler: Any, *, prompt_len: int, trace_version: int = TRA
                          f"a mapping with all of {list(ROLLOUT_FIELDS)}")
     fields = {name: values[name] for name in ROLLOUT_FIELDS}
     fields.update(prompt_len=prompt_len, trace_version=trace_version)
+    # Ids banned beyond the mask and pad ids (which every sampler bans) change the distribution the
+    # log-probs were recorded under; pinned only when present, so every other fingerprint is unchanged.
+    banned = values.get("banned_ids", getattr(sampler, "banned_ids", ()))
+    extra = sorted({int(token) for token in banned} - {values.get("mask_id"), values.get("pad_id")})
+    if extra:
+        fields["banned_ids"] = extra
     return fingerprint(fields)
