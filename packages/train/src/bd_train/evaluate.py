@@ -36,6 +36,7 @@ from ._checkpoint import CheckpointError
 from ._output_path import output_path_error
 from .stages._compat import check_task_fits
 from .stages._config import parse_pipeline_config
+from .stages._errors import CanvasTooSmall
 from .stages._evaluate import evaluate_report, pass_at_k
 from .stages._intervals import bootstrap_interval, wilson_interval
 from .stages._plots import accuracy_nfe_png
@@ -73,7 +74,7 @@ def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = Non
             for role in ("teacher", "student"):
                 if message.startswith(f"{role}.pretrained: "):
                     raise ConfigError(f"--checkpoint {message.removeprefix(f'{role}.pretrained: ')}") from None
-            raise ConfigError(_flag_error(message, task, "--config")) from None
+            raise ConfigError(_flag_error(err, task, "--config")) from None
         return run, run.pretrained_model("student")
     if config is not None:
         raise StageError(f"--config: {checkpoint} is a stage's checkpoint, which evaluates under the config it was "
@@ -90,7 +91,8 @@ def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = Non
     try:
         run = _checked(Run(parse_pipeline_config(_overridden(_held_out_only(dict(meta["config"])), task, n))))
     except (ConfigError, StageError) as err:
-        raise type(err)(_flag_error(str(err), task, f"the config that checkpoint {checkpoint} recorded")) from None
+        kind = ConfigError if isinstance(err, ConfigError) else StageError
+        raise kind(_flag_error(err, task, f"the config that checkpoint {checkpoint} recorded")) from None
     identity = Fingerprint.from_json(meta["fingerprints"]["identity"])
     # bd_models' default attention, which runs on every backend (a checkpoint trained with TPU's
     # splash kernels is evaluated on a GPU or CPU too)
@@ -124,16 +126,17 @@ def _held_out_only(config: dict) -> dict:
     return config
 
 
-def _flag_error(message: str, task: str | None, where: str) -> str:
+def _flag_error(err: Exception, task: str | None, where: str) -> str:
     """A config error named by what the user gave: `--task` for the task's keys and for a canvas
     too small for its problems when it was set; else `where`, with how recorded paths resolve
     when a path is what failed."""
+    message = str(err)
     if task is not None and message.startswith(("task.", "task:")):
         return f"--task {task}: {message} (--task keeps the checkpoint's canvas and tokenizer, with the task's " \
                f"default params; a task that needs a file or other params needs a preset)"
-    if task is not None and message.startswith("canvas."):
-        return f"--task {task}: {message.split(': ', 1)[1].split('; raise')[0]}, the canvas this checkpoint was " \
-               f"trained with; evaluate it on a task whose problems fit"
+    if task is not None and isinstance(err, CanvasTooSmall):
+        return f"--task {task}: {err.finding}, the canvas this checkpoint was trained with; evaluate it on a task " \
+               f"whose problems fit"
     path_problem = any(words in message for words in ("does not exist", "no such file", "cannot read"))
     return f"{where}: {message}" + (RECORDED if path_problem else "")
 

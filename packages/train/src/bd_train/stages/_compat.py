@@ -15,6 +15,7 @@ from bd_data import CanvasOverflow, ChatTemplateError, JsonlError, TokenizerErro
 from bd_models import ModelConfig
 
 from .._checkpoint import CheckpointError
+from ._errors import CanvasTooSmall
 from ._run import EXECUTION_FIELDS, ROLES, Run, StageError, open_checkpoints
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ def check_task_fits(run: Run, split: str, count: int) -> None:
     """The split's first `count` problems of the built-in task fit the canvas: the prompt, as the
     chat template renders it if there is one, and for the training split (which SFT trains on) the
     answer plus the end-of-text token; or a `StageError` naming the first that does not, its sizes
-    and the `[canvas]` key to raise. Held-out problems are only ever prompts on the canvas."""
+    and the `[canvas]` key to raise (`CanvasTooSmall`). Held-out problems are only ever prompts on the canvas."""
     canvas = run.config.canvas
     source = run.source(split)
     markup = " with the chat template's markup" if run.chat_template is not None else ""
@@ -110,15 +111,18 @@ def check_task_fits(run: Run, split: str, count: int) -> None:
         example = source[index]
         prompt, answer = example.token_ids(run.tokenizer)
         if len(prompt) > canvas.prompt_len:
-            raise StageError(f"canvas.prompt_len: {split} problem {index} of task {run.config.task.name!r} "
-                             f"({example.prompt!r}) takes {len(prompt)} tokens{markup} but canvas.prompt_len = "
-                             f"{canvas.prompt_len}; raise prompt_len (a multiple of block_size = "
-                             f"{canvas.block_size}) or choose smaller [task] params")
+            raise CanvasTooSmall("canvas.prompt_len",
+                                 f"{split} problem {index} of task {run.config.task.name!r} ({example.prompt!r}) "
+                                 f"takes {len(prompt)} tokens{markup} but canvas.prompt_len = {canvas.prompt_len}",
+                                 f"raise prompt_len (a multiple of block_size = {canvas.block_size}) or choose "
+                                 f"smaller [task] params")
         if split == "train" and len(answer) + 1 > canvas.max_new_tokens:
-            raise StageError(f"canvas.max_new_tokens: training problem {index} of task {run.config.task.name!r} has an "
-                             f"answer of {len(answer)} tokens, {len(answer) + 1} with the end-of-text token, but "
-                             f"canvas.max_new_tokens = {canvas.max_new_tokens}; raise max_new_tokens (a multiple of "
-                             f"block_size = {canvas.block_size}) or choose smaller [task] params")
+            raise CanvasTooSmall("canvas.max_new_tokens",
+                                 f"training problem {index} of task {run.config.task.name!r} has an answer of "
+                                 f"{len(answer)} tokens, {len(answer) + 1} with the end-of-text token, but "
+                                 f"canvas.max_new_tokens = {canvas.max_new_tokens}",
+                                 f"raise max_new_tokens (a multiple of block_size = {canvas.block_size}) or choose "
+                                 f"smaller [task] params")
 
 
 def check_adopted(config: Any) -> None:
