@@ -157,5 +157,30 @@ def test_an_export_carries_the_template(tmp_path):
     folder = run.export(model, "sft-student", "student")
     exported = ChatTemplate.from_tokenizer(folder)
     assert exported.where.endswith("chat_template.jinja") and exported.source == run.chat_template.source
+    released = json.loads((CHATML / "tokenizer_config.json").read_text())
+    del released["chat_template"]  # in chat_template.jinja, as transformers writes it
     assert json.loads((folder / "tokenizer_config.json").read_text()) == {
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "mask_token": "<|MASK|>"}
+        **released, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "mask_token": "<|MASK|>"}
+    assert released["tokenizer_class"] == "TokenizersBackend"  # the release's settings are kept
+
+
+def test_an_export_without_a_template_keeps_the_releases_own(tmp_path):
+    """Prompts fed raw: the export's tokenizer_config.json is the release's (its chat template
+    included) with the run's mask and end-of-text tokens, and a release's chat_template.jinja is
+    copied beside it. The export used to write only the two tokens, dropping the template."""
+    import jax
+
+    from bd_models import BlockDiffusionLM
+    from bd_train.stages import RunDir
+
+    for fixture in (CHATML, CHATML.parent / "llama3-chat"):
+        config = parse_pipeline_config({**_preset(fixture, chat_template=False),
+                                        "run": {"output_dir": str(tmp_path / fixture.name)}})
+        run = Run(config, RunDir.create(config, run_id="raw"))
+        model = BlockDiffusionLM(run.model_config("student"), key=jax.random.key(0))
+        folder = run.export(model, "sft-student", "student")
+        released = json.loads((fixture / "tokenizer_config.json").read_text())
+        exported = json.loads((folder / "tokenizer_config.json").read_text())
+        assert exported == {**released, "mask_token": run.tokenizer.token(run.tokenizer.mask_id),
+                            "eos_token": run.tokenizer.token(run.tokenizer.eos_id)}
+        assert ChatTemplate.from_tokenizer(folder).source == ChatTemplate.from_tokenizer(fixture).source

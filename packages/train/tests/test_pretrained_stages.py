@@ -244,3 +244,46 @@ def test_an_export_keeps_the_released_dtype(tmp_path):
     again = from_pretrained(exported, param_dtype="bfloat16")
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b.astype("bfloat16")))
+
+
+def test_a_lora_stage_on_another_lora_stage_resumes_on_another_mesh(tmp_path):
+    """A LoRA stage whose base is another LoRA stage's checkpoint pins that base by what the
+    checkpoint holds (its adapters' saved digests and its own base's pin), not by the merged
+    model's bits, which differ between meshes in float32: read back on one device and on a
+    (1, 4, 2) mesh, the pins are equal, so a resume on either is accepted; other adapters are
+    still refused."""
+    from bd_core import FingerprintMismatch
+    from bd_models import make_mesh
+    from bd_train import Checkpointer, TrainState
+
+    preset = _preset(FIXTURES / "sdar", FIXTURES / "sdar")
+    preset["student"]["lora"] = {"rank": 2, "stages": ["sft", "opd"]}
+    run = Run(parse_pipeline_config(preset))
+    config, identity, lora = run.model_config("student"), run.identity("student"), run.lora("student", "sft")
+
+    def trained(seed: int):  # adapters away from their start: B no longer zero
+        model = run.adapt(run.pretrained_model("student"), lora, "sft-student")
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: 0.05 * jax.random.normal(jax.random.key(seed), x.shape, x.dtype)
+            if jax.tree_util.keystr(p).endswith("lora_b") else x, model)
+
+    for name, seed in (("sft-student", 7), ("other", 8)):
+        with Checkpointer(tmp_path / name) as checkpoints:
+            checkpoints.save(TrainState.init(trained(seed), _optimizer(), key=jax.random.key(0)),
+                             fingerprints={"identity": identity,
+                                           **run.adapters_pin(trained(seed), lora, {"pretrained": "student"})})
+    sft = str(tmp_path / "sft-student")
+    single = run.restore_model(sft, config, identity, what="SFT")
+    sharded = run.restore_model(sft, config, identity, what="SFT", mesh=make_mesh(1, 4, 2))
+    opd = run.lora("student", "opd")
+    pins = [run.adapters_pin(model, opd, {"checkpoint": sft}) for model in (single, sharded)]
+    assert pins[0]["adapters"] == pins[1]["adapters"]
+    with Checkpointer(tmp_path / "opd") as checkpoints:
+        checkpoints.save(TrainState.init(run.adapt(sharded, opd, "opd"), _optimizer(), key=jax.random.key(0)),
+                         fingerprints={"identity": identity, **pins[1]})
+        checkpoints.check_fingerprints({"identity": identity, **pins[0]})
+        restored = run.restore_model(tmp_path / "opd", config, identity, what="OPD")
+        assert restored.config == config
+        other = run.adapters_pin(single, opd, {"checkpoint": str(tmp_path / "other")})
+        with pytest.raises(FingerprintMismatch, match="adapters.base_digest"):
+            checkpoints.check_fingerprints({"identity": identity, **other})

@@ -6,6 +6,7 @@ and the models a stage starts from.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -15,7 +16,6 @@ import equinox as eqx
 import jax
 
 from bd_core import Fingerprint, FingerprintMismatch, fingerprint
-from bd_data import HFTokenizer
 from bd_models import (
     BlockDiffusionLM,
     LoRAConfig,
@@ -34,7 +34,6 @@ from bd_models import (
     model_config_from_hf,
     param_partition_specs,
     read_hf_config,
-    save_pretrained,
     weights_digest,
 )
 
@@ -275,8 +274,9 @@ class Run(RunData):
         fine-tuning."""
         if lora is None:
             return {}
+        digest = adapted_checkpoint_digest(source["checkpoint"]) if "checkpoint" in source else None
         return {"adapters": fingerprint({"lora": lora.to_dict(), "base_source": source,
-                                         "base_digest": weights_digest(model)})}
+                                         "base_digest": digest or weights_digest(model)})}
 
     def _reading(self, role: str) -> dict[str, Any]:
         """`from_pretrained`'s arguments for the role's checkpoint as configured: the canvas's block
@@ -302,30 +302,11 @@ class Run(RunData):
             raise StageError(f"{role}.pretrained: {err}") from None
 
     def export(self, model: BlockDiffusionLM, stage: str, role: str) -> Path:
-        """`model` (adapters merged) as a Hugging Face checkpoint in `<run>/export/<stage>`: the
-        pretrained source's config keys kept and its dtype (a bfloat16 release exports in bfloat16,
-        whatever the master weights trained in), the block size and mask token id recorded, and the
-        tokenizer as used (with the chat template in `chat_template.jinja` when prompts used one)."""
-        model = merge(model)
-        folder = Path(self.where.run_dir) / "export" / stage
-        section = getattr(self.config, role)
-        base = dict(read_hf_config(section.folder)) if section.folder else {}
-        tok = self.tokenizer
-        base.update(mask_token_id=tok.mask_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-        source = {"stage": stage, "role": role, "run": str(self.where.run_dir)}
-        if section.source is not None:
-            source["pretrained"] = section.source.to_dict()
-        released = base.get("torch_dtype") or base.get("dtype")
-        dtype = released if released in ("float32", "bfloat16", "float16") else None
-        save_pretrained(model, folder, base_config=base, source=source, dtype=dtype)
-        if jax.process_index() == 0 and isinstance(tok, HFTokenizer):
-            tok.save(folder / "tokenizer.json")
-            names = {"mask_token": tok.token(tok.mask_id), "eos_token": tok.token(tok.eos_id)}
-            if self.chat_template is not None:  # the template the model was trained with travels with it
-                names = {**dict(self.chat_template.variables), **names}
-                (folder / "chat_template.jinja").write_text(self.chat_template.source, encoding="utf-8")
-            (folder / "tokenizer_config.json").write_text(json.dumps(names, indent=2) + "\n")
-        return folder
+        """`model` (adapters merged) as a Hugging Face checkpoint in `<run>/export/<stage>`
+        (`export_model`)."""
+        from ._export import export_model
+
+        return export_model(self, model, stage, role)
 
     def restore_model(self, directory: str | Path, model_config: ModelConfig, identity: Fingerprint, *, what: str,
                       mesh: jax.sharding.Mesh | None = None) -> Any:
@@ -364,12 +345,34 @@ class Run(RunData):
         else:
             base = self.restore_model(source["checkpoint"], model_config, identity, mesh=mesh,
                                       what=f"{what}: its base {source['checkpoint']}")
-        digest = weights_digest(base)
+        digest = (adapted_checkpoint_digest(source["checkpoint"]) if "checkpoint" in source else None) or \
+            weights_digest(base)
         if digest != pinned.fields["base_digest"]:
             raise StageError(f"{what}: its LoRA adapters were trained on a base ({source}) whose weights digest "
                              f"was {pinned.fields['base_digest'][:12]}, but that base now reads {digest[:12]}: "
                              f"adapters.base_digest differs. Restore the base it was trained on, or rerun the stage")
         return add_lora(base, LoRAConfig.from_dict(pinned.fields["lora"]), key=jax.random.key(0))
+
+
+def adapted_checkpoint_digest(directory: str | Path) -> str | None:
+    """For a LoRA stage's checkpoint (adapters on a base it pins), a digest of what it holds: the
+    content digests its latest step recorded for the adapters, and its own base's pin, so a chain
+    of LoRA stages is pinned link by link by content. Merged, its model's bits depend on the
+    mesh and backend that merged it, so they cannot pin it. None for any other checkpoint (its
+    restored weights are the same bits on any layout: `weights_digest` pins them)."""
+    checkpoints = open_checkpoints(directory, create=False)
+    try:
+        meta = checkpoints.read_meta()
+    except CheckpointError as err:
+        raise StageError(str(err)) from None
+    finally:
+        checkpoints.close()
+    adapters = (meta.get("fingerprints") or {}).get("adapters")
+    if adapters is None:
+        return None
+    model = {path: shards for path, shards in sorted((meta.get("digests") or {}).items()) if path.startswith("model/")}
+    record = {"step": int(meta["step"]), "model": model, "adapters": adapters}
+    return "saved:" + hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
 def open_checkpoints(directory: str | Path, *, create: bool, max_to_keep: int | None = 2,
