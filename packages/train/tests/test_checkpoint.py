@@ -1,19 +1,15 @@
 """Orbax checkpoints: bit-for-bit resume in a fresh process, fail-closed fingerprint and tree
-checks, stray temp dirs, damaged files, asynchronous saves (the values at save, listed once committed, a
-failure raised, a kill mid-save)."""
+checks, stray temp dirs, damaged files, a data pipeline built otherwise (asynchronous saves:
+test_async_save.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
-import equinox as eqx
 import jax
 import numpy as np
 import pytest
@@ -239,6 +235,31 @@ def test_an_item_whose_files_are_gone_is_damage_not_another_config(tmp_path, los
                 restore(state if restore == checkpoints.restore else state.model)
 
 
+def test_a_data_pipeline_built_otherwise_is_not_called_damage(tmp_path):
+    """A saved pipeline position that does not fit the pipeline given (another pipeline) used to
+    be reported as truncated or damaged files, with advice to remove the step: a whole
+    checkpoint refused as corrupt. It is now a `CheckpointError` that says the arrays read fine
+    and names the pipeline; the step is kept, and restores with the pipeline it was saved with."""
+    import grain
+
+    from bd_train import CheckpointError
+
+    saved = iter(grain.MapDataset.range(10).to_iter_dataset())
+    next(saved)
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(_real_state(TINY), data_iterator=saved)
+    mixed = iter(grain.IterDataset.mix([grain.MapDataset.range(10).to_iter_dataset(),
+                                        grain.MapDataset.range(5).to_iter_dataset()], [0.5, 0.5]))
+    with Checkpointer(tmp_path, create=False) as checkpointer:
+        with pytest.raises(CheckpointError, match=r"its arrays read fine, but the data pipeline's saved position could "
+                                                  r"not be set on the pipeline given") as error:
+            checkpointer.restore(_real_state(TINY), data_iterator=mixed)
+        assert not isinstance(error.value, CheckpointCorrupted) and "remove" not in str(error.value)
+        same = iter(grain.MapDataset.range(10).to_iter_dataset())
+        checkpointer.restore(_real_state(TINY), data_iterator=same)
+        assert next(same) == 1
+
+
 def test_content_that_differs_from_its_digest_is_named(tmp_path):
     """Bytes that still read as arrays but are not what was saved: the digest names the array."""
     state = _real_state(TINY)
@@ -278,101 +299,3 @@ def test_undamaged_checkpoints_restore_their_digested_content(tmp_path):
         restored = checkpoints.restore(state)
     for got, want in zip(jax.tree.leaves(restored.params), jax.tree.leaves(state.params)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-# -- asynchronous saves ---------------------------------------------------------------------------
-
-import async_save_worker  # noqa: E402
-
-
-def _host_copy(state) -> list[np.ndarray]:
-    return [np.array(x) for x in jax.tree.leaves((state.step, state.model, state.opt_state))]
-
-
-def _committed(folder, step: int) -> bool:
-    return (folder / str(step)).is_dir()
-
-
-def test_an_async_save_keeps_the_values_at_save_and_is_listed_once_committed(tmp_path):
-    first, second = async_save_worker.state(1), async_save_worker.state(2)
-    want = _host_copy(second)
-    with Checkpointer(tmp_path, async_save=True) as checkpointer:
-        checkpointer.save(first)
-        checkpointer.save(second)  # waits for step 1, then returns while step 2 is written
-        listed, committed = checkpointer.all_steps(), _committed(tmp_path, 2)
-        assert listed == ([1, 2] if committed else [1]) and checkpointer.latest_step() == listed[-1]
-        # training goes on: the saved arrays are donated to and overwritten by the next updates
-        update = jax.jit(lambda tree: jax.tree.map(lambda x: x * 2 + 1 if eqx.is_inexact_array(x) else x, tree),
-                         donate_argnums=0)
-        arrays = (second.model, second.opt_state)
-        del second
-        for _ in range(3):
-            arrays = update(arrays)
-        jax.block_until_ready(arrays)
-        checkpointer.wait()
-        assert checkpointer.all_steps() == [1, 2]
-        restored = checkpointer.restore(async_save_worker.state(0), step=2)  # checks every digest
-    for got, saved in zip(_host_copy(restored), want, strict=True):
-        assert got.dtype == saved.dtype and got.tobytes() == saved.tobytes()
-    print(f"step 2 was {'committed' if committed else 'in flight'} when save returned")
-
-
-def _damage_step_2_while_it_is_written(folder) -> bool:
-    """Move step 2's temp folder away and put a file in its place, so that the rest of its writes
-    and its rename fail; False when the background save won the race (committed, or made the
-    folder again, before the damage landed: on a loaded host it can)."""
-    temp = [p for p in folder.iterdir() if p.name.startswith("2.orbax-checkpoint-tmp")]
-    if not temp:
-        return False
-    try:
-        temp[0].rename(folder.parent / f"{folder.name}-moved")  # what was written so far goes away
-        temp[0].write_text("not a folder")
-    except OSError:
-        return False
-    return True
-
-
-def test_a_failed_async_save_is_raised_at_the_next_wait_and_never_listed(tmp_path):
-    for attempt in range(3):  # a fresh folder when the background save won the race to the damage
-        folder = tmp_path / f"attempt{attempt}"
-        with Checkpointer(folder, async_save=True) as checkpointer:
-            checkpointer.save(async_save_worker.state(1))
-            checkpointer.save(async_save_worker.state(2))
-            if not _damage_step_2_while_it_is_written(folder):
-                with contextlib.suppress(CheckpointError):  # a half-landed damage may still fail it
-                    checkpointer.wait()
-                continue
-            with pytest.raises(CheckpointError, match="asynchronous save of step 2 failed in the background"):
-                checkpointer.wait()
-            assert checkpointer.all_steps() == [1]
-            checkpointer.save(async_save_worker.state(3))  # saving goes on after the error was raised
-        break
-    else:
-        pytest.fail("the background save of step 2 finished before the test could damage it, 3 times")
-    with Checkpointer(folder, create=False) as checkpointer:
-        assert checkpointer.all_steps() == [1, 3]
-        checkpointer.restore(async_save_worker.state(0), step=3)
-
-
-def test_a_kill_during_an_async_save_leaves_the_previous_step(tmp_path):
-    folder = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "async_save_worker.py"), str(folder)],
-                            env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while not any(p.name.startswith("2.orbax-checkpoint-tmp") for p in folder.glob("2.*")):
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "the worker never started saving step 2"
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert not _committed(folder, 2)
-    with Checkpointer(folder, create=False) as checkpointer:
-        assert checkpointer.all_steps() == [1] and checkpointer.latest_step() == 1
-        restored = checkpointer.restore(async_save_worker.state(0))  # checks every digest
-    for got, saved in zip(_host_copy(restored), _host_copy(async_save_worker.state(1)), strict=True):
-        assert got.tobytes() == saved.tobytes()

@@ -165,9 +165,11 @@ class Checkpointer:
         errors = agreed_errors(error)
         if errors:
             where = "" if jax.process_count() == 1 else f" on process {min(errors)}"
-            raise CheckpointCorrupted(
+            corrupted = CheckpointCorrupted(
                 f"checkpoint {self.directory} step {step}: {errors[min(errors)]}{where}; its files are truncated, "
-                f"missing or damaged. {self._recovery(step)}") from None
+                f"missing or damaged. {self._recovery(step)}")
+            corrupted.cause = errors[min(errors)] + where
+            raise corrupted from None
         return restored
 
     def _recovery(self, step: int) -> str:
@@ -364,11 +366,23 @@ class Checkpointer:
         items: dict[str, Any] = {
             name: ocp.args.StandardRestore(jax.tree_util.tree_map(lambda x: restore_target(x, mesh), tree))
             for name, tree in arrays.items() if tree}
+        paths = list(flat_items({name: tree for name, tree in arrays.items() if tree}))
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-        restored = self._read(step, ocp.args.Composite(**items), "the saved state",
-                              list(flat_items({name: tree for name, tree in arrays.items() if tree})),
-                              meta.get("digests"))
+        try:
+            restored = self._read(step, ocp.args.Composite(**items), "the saved state", paths, meta.get("digests"))
+        except CheckpointCorrupted as err:
+            if data_iterator is None:
+                raise
+            # Read fine without the data pipeline's position: the files are whole, and the saved
+            # position does not fit the pipeline given (another pipeline, or one built otherwise).
+            items.pop("data")
+            self._read(step, ocp.args.Composite(**items), "the saved state", paths, meta.get("digests"))
+            raise CheckpointError(
+                f"checkpoint {self.directory} step {step}: its arrays read fine, but the data pipeline's saved "
+                f"position could not be set on the pipeline given ({err.cause}): the pipeline is not built as the one "
+                f"that was saved (another task, data file, batch size or pipeline settings). Nothing was changed: "
+                f"rebuild the pipeline as it was, or train anew") from None
         self._verify({name: restored[name] for name in arrays if arrays[name]}, step, meta)
         key = restored["rng"]["key"]
         if is_key(target.key):

@@ -17,7 +17,10 @@ class CheckpointError(ValueError):
 
 
 class CheckpointCorrupted(CheckpointError):
-    """A checkpoint whose files cannot be read, or no longer hold what was saved."""
+    """A checkpoint whose files cannot be read, or no longer hold what was saved; `cause` says
+    what could not be read, where a read failed."""
+
+    cause: str = ""
 
 
 class CheckpointMismatch(CheckpointError):
