@@ -85,6 +85,21 @@ def test_rewards_agree_with_math_verify(data):
     assert task.reward(Example("q", "\\sqrt{2}"), "\\sqrt{2}") == 1.0 and parse("\\sqrt{2}") == []
 
 
+def test_bare_latex_answers_are_read_whole_not_by_their_leading_number(data):
+    """Read as plain text, math-verify finds only the leading number of `3\\sqrt{2}`, `2^{10}` or
+    `4\\pi` (3, 2, 4): a gold answer in MATH's usual form scored the wrong completion `3` as
+    correct and `\\sqrt{18}` as wrong. Gold answers, and completions that look like LaTeX, are read
+    as inline math first; prose around a number is still read as plain text."""
+    task = get_task("math", path=data[1])
+    cases = {("3\\sqrt{2}", "3"): 0.0, ("3\\sqrt{2}", "\\sqrt{18}"): 1.0, ("3\\sqrt{2}", "$3\\sqrt{2}$"): 1.0,
+             ("2^{10}", "2"): 0.0, ("2^{10}", "1024"): 1.0, ("4\\pi", "4"): 0.0, ("4\\pi", "4\\pi"): 1.0,
+             ("(1, 2)", "(1,2)"): 1.0, ("7", "it is not 6, it is 7"): 1.0, ("7", "6"): 0.0,
+             ("x = 3", "3"): 1.0, ("\\frac{1}{2}", "so it is \\frac{1}{2}."): 1.0}
+    for (gold, completion), reward in cases.items():
+        assert task.reward(Example("q", gold), completion) == reward, (gold, completion)
+    assert parse("3\\sqrt{2}")[0] == 3  # what plain text gives
+
+
 ADVERSARIAL = [
     "9**9**9",
     "9^{9^{9}}",

@@ -22,11 +22,21 @@ def main() -> None:
     logging.disable(logging.CRITICAL)  # math-verify warns that its own timeouts are off: they are ours
     from math_verify import parse, verify
 
-    def parsed(text: str) -> list:
-        # A bare answer like `\sqrt{2}` holds no delimiters for the extractors: read it as inline math.
-        return parse(text, parsing_timeout=None) or parse(f"${text}$", parsing_timeout=None)  # type: ignore[arg-type]
+    def read(text: str, inline: bool) -> list:
+        found = parse(f"${text}$" if inline else text, parsing_timeout=None)  # type: ignore[arg-type]
+        return found if any(not isinstance(x, str) for x in found) else []  # a string alone: nothing parsed
 
-    parsed_gold = lru_cache(maxsize=4096)(parsed)
+    def parsed(text: str, bare: bool = False) -> list:
+        # An answer without delimiters (`3\sqrt{2}`, `2^{10}`) read as plain text gives only its
+        # leading number (3, 2): a bare answer, and text that looks like LaTeX, is read as inline
+        # math first. Other text (free prose around a number) is read as plain text first.
+        delimited = "$" in text or "\\boxed" in text
+        latex = bare or any(mark in text for mark in ("\\", "^", "{"))
+        if latex and not delimited:
+            return read(text, inline=True) or read(text, inline=False)
+        return read(text, inline=False) or read(text, inline=True)
+
+    parsed_gold = lru_cache(maxsize=4096)(lambda gold: parsed(gold, bare=True))
     # One comparison before `ready`: math-verify and sympy import more on first use (the LaTeX and
     # expression parsers), which would otherwise count against the first answer's deadline.
     verify(parsed(r"\frac{1}{2}"), parsed("1/2"), timeout_seconds=None)
