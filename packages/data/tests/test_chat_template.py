@@ -205,17 +205,23 @@ def test_the_tokenizer_config_is_read_once_for_tokens_and_templates(tmp_path):
         ChatTemplate.from_tokenizer(broken)
 
 
-def test_special_tokens_left_out_of_the_config_come_from_special_tokens_map(tmp_path):
-    """Older checkpoints keep `bos_token` in special_tokens_map.json (transformers reads both): a
-    template's `{{ bos_token }}` rendered empty without it."""
+def test_special_tokens_map_merges_as_transformers_merges_it(tmp_path):
+    """Older checkpoints keep `bos_token` in special_tokens_map.json: a template's `{{ bos_token }}`
+    rendered empty without it. transformers reads the map only when tokenizer_config.json lists no
+    `added_tokens_decoder`, and then the map's tokens replace the config's (here `eos_token`, which
+    the config used to keep: another end-of-text token than transformers')."""
     from bd_data import special_tokens, tokenizer_config
 
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "</s>", "chat_template": "{{ bos_token }}[INST] {{ messages[0]['content'] }} [/INST]"}))
+    template = "{{ bos_token }}[INST] {{ messages[0]['content'] }} [/INST]{{ eos_token }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": template}))
     (tmp_path / "special_tokens_map.json").write_text(json.dumps(
         {"bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "<other>"}))
-    assert special_tokens(tokenizer_config(tmp_path)) == {"bos_token": "<s>", "eos_token": "</s>"}  # the config's wins
-    assert ChatTemplate.from_tokenizer(tmp_path).render("hi") == "<s>[INST] hi [/INST]"
+    assert special_tokens(tokenizer_config(tmp_path)) == {"bos_token": "<s>", "eos_token": "<other>"}
+    assert ChatTemplate.from_tokenizer(tmp_path).render("hi") == "<s>[INST] hi [/INST]<other>"
+    listed = {"eos_token": "</s>", "chat_template": template, "added_tokens_decoder": {}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(listed))
+    assert special_tokens(tokenizer_config(tmp_path)) == {"eos_token": "</s>"}  # the map is not read
+    assert ChatTemplate.from_tokenizer(tmp_path).render("hi") == "[INST] hi [/INST]</s>"
 
 
 def test_templates_with_generation_blocks_render_their_body():

@@ -29,13 +29,14 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 
 def tokenizer_config(folder: str | Path) -> dict:
     """`folder`'s tokenizer_config.json as a dict (empty where the folder has none), with the
-    special tokens it leaves out read from special_tokens_map.json, where older checkpoints keep
-    `bos_token` / `eos_token`. Where both name a token, tokenizer_config.json's is kept: current
-    transformers reads only that file when it lists its added tokens (`added_tokens_decoder`),
-    and the map only fills the gaps here."""
+    special tokens of special_tokens_map.json merged in as transformers merges them: a config that
+    lists its added tokens (`added_tokens_decoder`, what current transformers saves) is read
+    alone; in an older one (without it), the map's tokens replace the config's."""
     config = _json_file(Path(folder) / CONFIG_FILE)
+    if "added_tokens_decoder" in config:
+        return config
     for name, value in _json_file(Path(folder) / MAP_FILE).items():
-        if name in SPECIAL_TOKEN_NAMES and config.get(name) is None:
+        if name in SPECIAL_TOKEN_NAMES:
             config[name] = value
     return config
 
