@@ -128,6 +128,20 @@ def test_import_export_import_is_bit_exact(arch, tmp_path):
     assert written["model_type"] == read_hf_config(FIXTURES / arch)["model_type"]
 
 
+def test_a_fast_dllm_export_says_one_block_size(tmp_path):
+    """Fast-dLLM v2's config keeps its block size as `bd_size`, which its own code reads: read at
+    another block size, the export wrote `block_size` and left the old `bd_size` beside it."""
+    folder = _copy(tmp_path, "qwen2")
+    raw = read_hf_config(folder)
+    (folder / "config.json").write_text(json.dumps({**raw, "bd_size": 8}))
+    assert from_pretrained(folder).config.block_size == 8
+    out = save_pretrained(from_pretrained(folder, block_size=4), tmp_path / "out", base_config=read_hf_config(folder))
+    written = read_hf_config(out)
+    assert written["block_size"] == written["bd_size"] == 4
+    assert "bd_size" not in read_hf_config(save_pretrained(from_pretrained(FIXTURES / "sdar"), tmp_path / "sdar",
+                                                           base_config=read_hf_config(FIXTURES / "sdar")))
+
+
 def test_float32_master_weights_export_in_the_dtype_asked(tmp_path):
     """A bfloat16 release read with float32 master weights (the default) exports at its own size
     with dtype="bfloat16": the same tensors, bit for bit, as a bfloat16 import exports."""
@@ -210,6 +224,8 @@ def test_folder_without_config_json(tmp_path):
         from_pretrained(folder, block_size=4)
     with pytest.raises(PretrainedError, match="does not exist"):
         from_pretrained(tmp_path / "nowhere", block_size=4)
+    with pytest.raises(PretrainedError, match=r"model.safetensors' is a file; pass the folder that holds it"):
+        from_pretrained(folder / "model.safetensors", block_size=4)
     orbax = tmp_path / "sft-student"  # a bdlm stage's checkpoint: step folders Orbax marks as complete
     (orbax / "6").mkdir(parents=True)
     (orbax / "6" / "_CHECKPOINT_METADATA").write_text("{}")

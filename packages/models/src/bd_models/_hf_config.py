@@ -148,6 +148,9 @@ def hf_config(config: ModelConfig, model_type: str, *, base: Mapping[str, Any] |
         "tie_word_embeddings": config.tie_embeddings, "torch_dtype": torch_dtype,
         "block_size": config.block_size, "use_sliding_window": False,
     })
+    for key in _BLOCK_KEYS[1:]:  # the source's own key too (Fast-dLLM v2's code reads bd_size)
+        if key in out:
+            out[key] = config.block_size
     if layout == "llama":
         out.update(attention_bias=False, mlp_bias=False)
     out.setdefault("max_position_embeddings", 32768)

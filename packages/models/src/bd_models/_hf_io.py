@@ -62,6 +62,9 @@ def read_hf_config(path: str | Path, *, revision: str | None = None) -> dict[str
     malformed file is one `PretrainedError`."""
     path = resolve_pretrained(path, revision).folder
     file = path / "config.json"
+    if path.is_file():
+        raise PretrainedError(f"{str(path)!r} is a file; pass the folder that holds it, {str(path.parent)!r} "
+                              f"(config.json and the *.safetensors files)")
     if not path.is_dir():
         raise PretrainedError(f"checkpoint folder {str(path)!r} does not exist; pass the folder that holds "
                               f"config.json and the *.safetensors files")
