@@ -142,6 +142,35 @@ def test_a_fast_dllm_export_says_one_block_size(tmp_path):
                                                            base_config=read_hf_config(FIXTURES / "sdar")))
 
 
+def test_an_export_that_fails_part_way_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    """An export over an earlier one deleted the earlier weights first: a full disk at the second
+    shard left config.json and a temp file, no weights. It is now written beside the folder and
+    swapped in; files of the folder that an export does not write are kept."""
+    import safetensors.numpy
+
+    model = from_pretrained(FIXTURES / "qwen3", block_size=4)
+    out = save_pretrained(model, tmp_path / "out", max_shard_bytes=40_000)
+    (out / "tokenizer.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real, calls = safetensors.numpy.save_file, []
+
+    def full_disk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        save_pretrained(model, out, max_shard_bytes=40_000, dtype="bfloat16")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing left beside it
+    monkeypatch.setattr(safetensors.numpy, "save_file", real)
+    save_pretrained(model, out, dtype="bfloat16")  # one file now: the old shards and index are gone
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert read_hf_config(out)["torch_dtype"] == "bfloat16" and from_pretrained(out, block_size=4).config.n_layers
+
+
 def test_float32_master_weights_export_in_the_dtype_asked(tmp_path):
     """A bfloat16 release read with float32 master weights (the default) exports at its own size
     with dtype="bfloat16": the same tensors, bit for bit, as a bfloat16 import exports."""

@@ -5,6 +5,7 @@ size, in the dtype asked, with a note of where the weights came from."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,9 @@ def save_pretrained(model: BlockDiffusionLM, path: str | Path, *, model_type: st
     or to the layout the model's options imply (`qwen3`, `qwen2`, `llama`). With several processes,
     every process must call it (tensors are gathered); process 0 writes. `source` (JSON-ready: where
     the weights came from, e.g. a Hub repo and commit, and what trained them) is written beside as
-    `bdlm_source.json`, so an export says what it is."""
-    from safetensors.numpy import save_file
-
+    `bdlm_source.json`, so an export says what it is. The folder is written whole beside `path`
+    and then swapped in (other files already in `path` kept): an export that fails part way
+    leaves `path` as it was."""
     from ._hf_config import _layout_for
     from ._lora import has_adapters
 
@@ -65,18 +66,37 @@ def save_pretrained(model: BlockDiffusionLM, path: str | Path, *, model_type: st
     model_type = model_type or (base_config or {}).get("model_type") or _layout_for(config)
     if model_type not in ARCHITECTURES:
         raise PretrainedError(f"save_pretrained: model_type {model_type!r} is not one of {sorted(ARCHITECTURES)}")
-    path = Path(path)
     writer = jax.process_index() == 0
     torch_dtype = dtype or config.param_dtype
     if torch_dtype not in EXPORT_DTYPES:
         raise PretrainedError(f"save_pretrained: dtype {torch_dtype!r} is not one of {list(EXPORT_DTYPES)}")
     content = hf_config(config, model_type, base=base_config, torch_dtype=torch_dtype)
+    final = Path(path)
+    if writer and final.exists() and not final.is_dir():
+        raise PretrainedError(f"save_pretrained: {str(final)!r} is a file; give a folder to write the checkpoint in")
+    # Written whole beside the destination, then swapped in: an export that fails or is killed
+    # part way leaves the folder as it was.
+    path = final.parent / f".{final.name}.partial"
     if writer:
-        path.mkdir(parents=True, exist_ok=True)
-        for old in list(path.glob("model*.safetensors")) + [path / INDEX, path / SOURCE]:
-            old.unlink(missing_ok=True)
-        if source is not None:
-            (path / SOURCE).write_text(json.dumps(dict(source), indent=2, sort_keys=True) + "\n")
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+    try:
+        _write(model, path, writer, content, torch_dtype, max_shard_bytes, source)
+    except BaseException:
+        if writer:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+    if writer:
+        _swap_in(path, final)
+    return final
+
+
+def _write(model: BlockDiffusionLM, path: Path, writer: bool, content: dict, torch_dtype: str, max_shard_bytes: int,
+           source: Mapping[str, Any] | None) -> None:
+    from safetensors.numpy import save_file
+
+    if writer and source is not None:
+        (path / SOURCE).write_text(json.dumps(dict(source), indent=2, sort_keys=True) + "\n")
     shards: list[dict[str, np.ndarray]] = [{}]
     size, total, weight_map = 0, 0, {}
     files: list[str] = []
@@ -110,4 +130,25 @@ def save_pretrained(model: BlockDiffusionLM, path: str | Path, *, model_type: st
             index = {"metadata": {"total_size": total}, "weight_map": {k: final[i] for k, i in weight_map.items()}}
             (path / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         (path / "config.json").write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
-    return path
+
+
+def _ours(name: str) -> bool:
+    """A file an export writes (or a part an interrupted one left): replaced, never carried over."""
+    return name in ("config.json", INDEX, SOURCE) or (name.startswith("model") and name.endswith(".safetensors")) \
+        or (name.startswith("part-") and name.endswith(".tmp"))
+
+
+def _swap_in(written: Path, final: Path) -> None:
+    """`written` becomes `final`; the files of an earlier `final` that an export does not write
+    (a tokenizer, a README) are kept."""
+    if not final.exists():
+        written.rename(final)
+        return
+    for item in final.iterdir():
+        if not _ours(item.name) and not (written / item.name).exists():
+            (shutil.copytree if item.is_dir() else shutil.copy2)(item, written / item.name)
+    old = final.parent / f".{final.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    final.rename(old)
+    written.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
