@@ -177,7 +177,8 @@ def test_jsonl_lengths_count_the_rendered_prompt(tmp_path):
     kept = len(text) - 24  # the prompt's longest end that fits: one more character does not
     assert len(ids) == 32 and len(template.encode(("a long prompt of words " * 3)[-kept - 1:], tok)) > 32
     with pytest.raises(JsonlError, match=r"d\.jsonl:1: the chat template's markup alone takes 24 tokens but "
-                                         r"CanvasConfig\.prompt_len=16"):
+                                         r"CanvasConfig\.prompt_len=16; raise prompt_len \(in a preset: \[canvas\] "
+                                         r"prompt_len\)$"):  # not: load with overlong='truncate', as it was
         load_jsonl(path, tokenizer=tok, canvas=CanvasConfig(prompt_len=16, max_new_tokens=4, block_size=4),
                    overlong="truncate", chat_template=template)
     failing = ChatTemplate("{{ raise_exception('refused') }}", where="t.jinja")
@@ -222,6 +223,14 @@ def test_special_tokens_map_merges_as_transformers_merges_it(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(listed))
     assert special_tokens(tokenizer_config(tmp_path)) == {"eos_token": "</s>"}  # the map is not read
     assert ChatTemplate.from_tokenizer(tmp_path).render("hi") == "[INST] hi [/INST]</s>"
+
+
+def test_named_templates_without_a_default_are_listed(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "{{ messages[0]['content'] }}"}, {"name": "rag", "template": "x"}]}))
+    with pytest.raises(ChatTemplateError, match=r"has named chat templates \(tool_use, rag\) but none named "
+                                                r"'default'"):
+        ChatTemplate.from_tokenizer(tmp_path)
 
 
 def test_templates_with_generation_blocks_render_their_body():

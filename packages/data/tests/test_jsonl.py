@@ -27,11 +27,18 @@ def _write(tmp_path, *lines: bytes, name="data.jsonl"):
     (b'{"prompt": "a", "completion": ""}\n', r"field 'completion' is empty"),
     (b'{"prompt": "\xff\xfe", "completion": "x"}\n', r"not valid UTF-8 \(byte 12 of the line\)"),
     (b'[' * 100_000 + b"\n", r"invalid JSON"),
+    (b'{"prompt": "a", "completion": "x", "n": ' + b"9" * 5000 + b"}\n", r"invalid JSON \(Exceeds the limit"),
 ])
 def test_each_error_names_file_and_line(tmp_path, bad, message):
     path = _write(tmp_path, GOOD, b"\n", bad, GOOD)
     with pytest.raises(JsonlError, match=rf"^{re.escape(str(path))}:3: {message}"):
         load_jsonl(path)
+
+
+def test_a_byte_order_mark_is_read_past(tmp_path):
+    """Some editors save UTF-8 with a byte-order mark: its first line was refused as invalid JSON."""
+    data = load_jsonl(_write(tmp_path, "\ufeff".encode() + GOOD, GOOD))
+    assert len(data) == 2 and data[0].prompt == "2+2="
 
 
 def test_missing_and_empty_files(tmp_path):

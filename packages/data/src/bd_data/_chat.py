@@ -127,6 +127,11 @@ class ChatTemplate:
         if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
+            if template is None and named:
+                raise ChatTemplateError(
+                    f"the tokenizer in {str(folder)!r} has named chat templates ({', '.join(map(str, named))}) but "
+                    f"none named 'default', the one prompts use; write the one you want to a Jinja file and give "
+                    f"its path as [task] chat_template")
         if not isinstance(template, str) or not template.strip():
             raise ChatTemplateError(
                 f"the tokenizer in {str(folder)!r} has no chat template: its {CONFIG_FILE} has no chat_template "

@@ -68,6 +68,8 @@ def _record(path: Path, number: int, raw: bytes, fields: tuple[str, ...]) -> tup
     except UnicodeDecodeError as err:
         raise JsonlError(
             f"{where}: not valid UTF-8 (byte {err.start} of the line); re-encode the file as UTF-8") from None
+    if number == 1 and line.startswith("\ufeff"):  # a byte-order mark, as some editors save UTF-8
+        line = line[1:]
     if not line.strip():
         return None
     try:
@@ -77,6 +79,8 @@ def _record(path: Path, number: int, raw: bytes, fields: tuple[str, ...]) -> tup
             f"{where}: invalid JSON ({err.msg} at column {err.colno}); each line must be one JSON object") from None
     except RecursionError:
         raise JsonlError(f"{where}: invalid JSON (nested too deeply); each line must be one flat JSON object") from None
+    except ValueError as err:  # e.g. an integer past Python's 4,300-digit conversion limit
+        raise JsonlError(f"{where}: invalid JSON ({err}); each line must be one JSON object") from None
     if not isinstance(record, dict):
         raise JsonlError(f"{where}: expected a JSON object with fields {list(fields)}, got {type(record).__name__}")
     values = []
@@ -146,8 +150,10 @@ def load_jsonl(path: str | Path, *, tokenizer: Tokenizer | None = None, canvas: 
             try:
                 fitted = _fit(prompt, completion, tokenizer, canvas, overlong, chat_template)
             except CanvasOverflow as err:
-                raise JsonlError(f"{path}:{number}: {err}; or load with overlong='truncate' or 'skip' (in a preset: "
-                                 f"[canvas] prompt_len / max_new_tokens, or [task] overlong)") from None
+                hint = ("; or load with overlong='truncate' or 'skip' (in a preset: [canvas] prompt_len / "
+                        "max_new_tokens, or [task] overlong)") if overlong == "error" else \
+                    " (in a preset: [canvas] prompt_len)"
+                raise JsonlError(f"{path}:{number}: {err}{hint}") from None
             except ChatTemplateError as err:
                 raise JsonlError(f"{path}:{number}: {err}") from None
             if fitted is None:
