@@ -57,6 +57,12 @@ def test_what_cannot_be_had_offline_is_one_line_naming_the_repo(hub_cache):
     assert "hf download bdlm-test/absent" in message
     with pytest.raises(HubError, match="revision 'v9'"):
         resolve_pretrained(REPO, "v9")
+    # The repo is cached, at another revision: said so, with what the cache holds (it was "the
+    # Hub repo is not in the Hub cache"); offline, a short commit is not resolved.
+    for revision in ("v9", "aaaaaaa"):
+        with pytest.raises(HubError, match=rf"at revision '{revision}': the Hub cache holds this repo but not at "
+                                           rf"that revision while HF_HUB_OFFLINE is set; it holds main, {A}\."):
+            resolve_pretrained(REPO, revision)
     with pytest.raises(HubError, match="is a local folder, not a Hub repo id"):
         resolve_pretrained(str(hub_cache("qwen2", "bdlm-test/other", B)), "main")
 

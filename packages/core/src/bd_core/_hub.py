@@ -117,6 +117,13 @@ def resolve_pretrained(ref: str | os.PathLike, revision: str | None = None, *,
     except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled, FileNotFoundError):
         at = "" if revision is None else f" at revision {revision!r}"
         why = "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached"
+        cached = _cached_revisions(text)
+        if cached is not None:  # the repo is cached, but not at this revision
+            fetch = f"hf download {text}{'' if revision is None else f' --revision {revision}'}"
+            raise HubError(f"{text}{at}: the Hub cache holds this repo but not at that revision while {why}; it "
+                           f"holds {', '.join(cached) or 'no complete revision'}. Without the Hub, give one of "
+                           f"these (a branch or tag the cache knows, or a full 40-character commit), or fetch it "
+                           f"with `{fetch}` where the Hub is reachable") from None
         raise HubError(f"{text}{at}: no local folder of that name, and the Hub repo is not in the Hub cache "
                        f"({_cache_dir() or 'the default cache'}) while {why}; "
                        f"fetch it where the Hub is reachable with `hf download {text}"
@@ -125,3 +132,17 @@ def resolve_pretrained(ref: str | os.PathLike, revision: str | None = None, *,
     folder = Path(folder)
     commit = folder.name if _COMMIT.match(folder.name) else None
     return PretrainedSource(folder, repo_id=text, revision=revision or "main", commit=commit)
+
+
+def _cached_revisions(repo_id: str) -> list[str] | None:
+    """The branches and tags (`refs/`), then the commits (`snapshots/`), that the Hub cache holds
+    of `repo_id`; None where the cache holds nothing of it."""
+    from huggingface_hub import constants
+
+    folder = Path(_cache_dir() or constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+    if not folder.is_dir():
+        return None
+    refs = sorted(str(p.relative_to(folder / "refs")) for p in (folder / "refs").rglob("*") if p.is_file()) \
+        if (folder / "refs").is_dir() else []
+    commits = sorted(p.name for p in (folder / "snapshots").iterdir()) if (folder / "snapshots").is_dir() else []
+    return refs + commits
