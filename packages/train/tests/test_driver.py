@@ -4,6 +4,7 @@ continues from the checkpoint (data position included) to the uninterrupted resu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -90,6 +91,34 @@ def test_sigterm_saves_and_a_second_drive_continues_to_the_uninterrupted_result(
     for got, want in zip(_final_params(run), _final_params(uninterrupted)):
         np.testing.assert_array_equal(got, want)
     assert resumed.evaluation.metrics() == reference.evaluation.metrics()
+
+
+def test_skipped_updates_are_counted_and_the_rate_logged_is_the_one_used(run):
+    """The schedule follows the updates applied: a skipped update (a NaN gradient) does not
+    advance it. The logged rate was the schedule at the step count, one ahead per skip, and
+    GRPO's several updates per step counted a skip by its last update only; both now read the
+    optimizer's own count."""
+    optimizer = run.optimizer_config(run.config.sft.optim, TOTAL)
+    trainer = Trainer(sft_objective, make_optimizer(optimizer))
+    keys = run.keys("sft-student", "init", "eval")
+    state = run.fresh_state(run.model_config("student"), trainer.optimizer, key=keys["init"])
+    data = run.sft_batches("sft-student")
+
+    def step_fn(state, step):
+        batch = next(data)
+        if step in (2, 3):  # updates 2 and 3 see a NaN: skipped, nothing changes
+            batch = dataclasses.replace(batch, weights=jnp.full_like(batch.weights, jnp.nan))
+        return trainer.step(state, batch)
+
+    schedule = optimizer.learning_rate_schedule()
+    spec = StageSpec("sft-student", "student", "SFT", TOTAL, {"identity": run.identity("student")}, schedule,
+                     ("loss",), keys["eval"])
+    history = drive(run, spec, state, step_fn, data).history
+    skips = {row["step"]: row["skipped_total"] for row in history}
+    assert skips[1] == 0 and skips[3] == 1 and skips[4] == 2 and skips[TOTAL] == 2
+    applied = [row["step"] - row["skipped_total"] for row in history]
+    assert [row["learning_rate"] for row in history] == [float(schedule(max(a - 1, 0))) for a in applied]
+    assert history[-1]["learning_rate"] == float(schedule(TOTAL - 3))  # 8 applied: the 8th's rate
 
 
 def test_a_fresh_state_compiles_to_the_program_of_its_restored_checkpoint(run):

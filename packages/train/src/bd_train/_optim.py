@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, NoReturn
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -33,7 +34,7 @@ class OptimizerConfig:
         b1: Adam's first-moment decay.
         b2: Adam's second-moment decay.
         eps: Adam's epsilon.
-        weight_decay: decoupled weight decay.
+        weight_decay: decoupled weight decay, on every weight but the RMSNorm gains (`decays`).
         max_grad_norm: global-norm clipping (None: off).
         mu_dtype: the dtype of Adam's first moment (None: the parameters').
         inject_hyperparams: keep the learning rate in the optimizer state, so it can be read and changed.
@@ -106,6 +107,20 @@ class OptimizerConfig:
         return optax.join_schedules([warmup, after], [self.warmup_steps])
 
 
+def decays(params: Any) -> Any:
+    """Which parameters weight decay pulls toward 0 (a tree of bools like `params`): every one but
+    the RMSNorm gains (`*_norm`), whose neutral value is 1, not 0."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+
+
+def applied_updates(opt_state: Any) -> jax.Array | None:
+    """How many updates the optimizer has applied (AdamW's step count, which a skipped update
+    does not advance, and which the learning-rate schedule follows); None for an optimizer state
+    that keeps no count."""
+    counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+    return counts[0][1] if counts else None
+
+
 def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
     """`clip_by_global_norm` (if set) then AdamW on the configured schedule."""
     kwargs: dict[str, Any] = dict(
@@ -116,10 +131,12 @@ def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
         weight_decay=config.weight_decay,
         mu_dtype=None if config.mu_dtype is None else jnp.dtype(config.mu_dtype),
     )
+    if config.weight_decay > 0:  # masked only then: the optimizer state's tree stays as saved before
+        kwargs["mask"] = decays
     if config.inject_hyperparams:
         # Without an explicit dtype optax stores hyperparameters in the parameters' dtype, and in
         # bfloat16 b2=0.999 rounds to 1.0, which zeroes Adam's bias correction (inf updates).
-        adamw = optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32)(**kwargs)
+        adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",), hyperparam_dtype=jnp.float32)(**kwargs)
     else:
         adamw = optax.adamw(**kwargs)
     if config.max_grad_norm is None:

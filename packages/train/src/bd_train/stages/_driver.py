@@ -23,6 +23,7 @@ from bd_models import count_params, merge
 
 from .._checkpoint import CheckpointError
 from .._loop import run_updates
+from .._optim import applied_updates
 from .._watchdog import StallPolicy, watch_progress
 from ._evaluate import Evaluation, eval_examples, evaluate, evaluate_report
 from ._guard import Guard
@@ -214,12 +215,15 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             nonlocal bar
             step = int(state.step)
             row = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
-            row["learning_rate"] = float(spec.learning_rate(step - 1))
+            # The schedule follows the updates applied (a skipped one does not advance it): the
+            # rate of the latest applied update, and every update of the stage that was skipped.
+            count = applied_updates(state.opt_state)
+            applied = step if count is None else int(count)
+            row["learning_rate"] = float(spec.learning_rate(max(applied - 1, 0)))
             previous = history[-1] if history else {}
             if "tokens" in row:
                 row["tokens_total"] = row["tokens"] + previous.get("tokens_total", 0.0)
-            skipped = spec.updates_per_step * (1.0 - row.get("update_applied", 1.0))
-            row["skipped_total"] = skipped + previous.get("skipped_total", 0.0)
+            row["skipped_total"] = float(step - applied)
             history.append(row)
             log_every = cfg.run.log_every  # every `log_every` updates, however many a step makes
             if step // log_every > (step - spec.updates_per_step) // log_every or step >= spec.total:

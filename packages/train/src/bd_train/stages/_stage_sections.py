@@ -36,7 +36,7 @@ class OptimSection:
         lr: the peak learning rate (> 0).
         warmup_steps: steps of linear warmup from 0 to `lr` (>= 0).
         schedule: after warmup: `constant`, or `cosine` / `linear` decay over the stage's remaining steps.
-        weight_decay: AdamW's decoupled weight decay (>= 0).
+        weight_decay: AdamW's decoupled weight decay (>= 0), on every weight but the RMSNorm gains.
         clip_norm: the global gradient norm is clipped to this (> 0).
         b2: Adam's second-moment decay, in [0, 1).
         eps: Adam's epsilon (see above; > 0).
