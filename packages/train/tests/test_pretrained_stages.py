@@ -287,3 +287,18 @@ def test_a_lora_stage_on_another_lora_stage_resumes_on_another_mesh(tmp_path):
         other = run.adapters_pin(single, opd, {"checkpoint": str(tmp_path / "other")})
         with pytest.raises(FingerprintMismatch, match="adapters.base_digest"):
             checkpoints.check_fingerprints({"identity": identity, **other})
+    # A checkpoint that pinned the merged bits, as bdlm did before, still resumes and restores on
+    # the layout that made it: the driver takes the pin in its saved form when those bits agree.
+    from bd_core import fingerprint
+    from bd_models import weights_digest
+    from bd_train.stages._driver import _as_saved
+
+    adapted = run.adapt(single, opd, "opd")
+    legacy = fingerprint({**pins[0]["adapters"].fields, "base_digest": weights_digest(single)})
+    with Checkpointer(tmp_path / "opd-legacy") as checkpoints:
+        checkpoints.save(TrainState.init(adapted, _optimizer(), key=jax.random.key(0)),
+                         fingerprints={"identity": identity, "adapters": legacy})
+        resumed = _as_saved({"identity": identity, **pins[0]}, checkpoints.fingerprints(), adapted)
+        assert resumed["adapters"] == legacy
+        checkpoints.check_fingerprints(resumed)
+    assert run.restore_model(tmp_path / "opd-legacy", config, identity, what="OPD").config == config

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from bd_core import Fingerprint, FingerprintMismatch
-from bd_models import count_params, merge
+from bd_core import Fingerprint, FingerprintMismatch, fingerprint
+from bd_models import count_params, merge, weights_digest
 
 from .._checkpoint import CheckpointError
 from .._loop import run_updates
@@ -147,6 +147,22 @@ def mesh_scope(mesh: jax.sharding.Mesh | None):
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
+def _as_saved(pins: dict[str, Fingerprint], saved: Mapping[str, Fingerprint], model: Any) -> dict[str, Fingerprint]:
+    """`pins` with a LoRA stage's `adapters` pin in the form its checkpoint saved it: bdlm pinned a
+    base that is another LoRA stage's checkpoint by the merged model's bits before it pinned it
+    by that checkpoint's content (`adapted_checkpoint_digest`); such a checkpoint resumes, on the
+    layout that made it, when those bits are the same (`weights_digest` of the base)."""
+    ours, theirs = pins.get("adapters"), saved.get("adapters")
+    if ours is None or theirs is None:
+        return pins
+    mine, old = ours.fields.get("base_digest"), theirs.fields.get("base_digest")
+    if not (isinstance(mine, str) and mine.startswith("saved:") and isinstance(old, str) and ":" not in old):
+        return pins
+    if weights_digest(model) != old:
+        return pins
+    return {**pins, "adapters": fingerprint({**ours.fields, "base_digest": old})}
+
+
 def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: Any = None, *,
           fail_after: int | None = None) -> StageResult:
     """Train `state` with `step_fn(state, step) -> (state, metrics)` to `spec.total` updates,
@@ -163,15 +179,17 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
                                    async_save=cfg.run.async_checkpoints)
     history: list[dict[str, float | int]] = []
     overrides: list[dict[str, Any]] = []
+    pins = dict(spec.fingerprints)
     if checkpoints.latest_step() is not None:  # a resumed stage continues its state and its curves
         try:
             allow = cfg.run.allow_changes
-            accepted = checkpoints.check_fingerprints(spec.fingerprints, allow=allow)
+            pins = _as_saved(pins, checkpoints.fingerprints(), state.model)
+            accepted = checkpoints.check_fingerprints(pins, allow=allow)
             if shaped := sorted(k for k in accepted if k in SHAPE_FIELDS):
                 changes = "; ".join(f"{k}: saved {accepted[k][0]!r}, current {accepted[k][1]!r}" for k in shaped)
                 raise StageError(f"{spec.name}: cannot continue from {directory}: {changes}\n"
                                  f"{_cannot_continue(shaped)}")
-            state = checkpoints.restore(state, fingerprints=spec.fingerprints, data_iterator=data, allow=allow)
+            state = checkpoints.restore(state, fingerprints=pins, data_iterator=data, allow=allow)
             meta = checkpoints.read_meta()
             history, overrides = list(meta.get("history") or []), list(meta.get("overrides") or [])
         except FingerprintMismatch as err:
@@ -198,7 +216,7 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
         if final:
             checkpoints.wait()  # the periodic save of this very step may still be in flight
         if int(state.step) not in checkpoints.all_steps():
-            checkpoints.save(state, fingerprints=spec.fingerprints, config=cfg.to_dict(), data_iterator=data,
+            checkpoints.save(state, fingerprints=pins, config=cfg.to_dict(), data_iterator=data,
                              force=True, history=history, overrides=overrides,
                              extra={"stage": spec.name, **({} if guard is None else {"guard": guard.points})})
         if final:

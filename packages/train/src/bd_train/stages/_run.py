@@ -6,8 +6,6 @@ and the models a stage starts from.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,7 @@ from bd_models import (
     weights_digest,
 )
 
-from .._checkpoint import Checkpointer, CheckpointError
+from .._checkpoint import CheckpointError
 from .._fingerprints import model_identity, rollout_semantics
 from .._optim import OptimizerConfig
 from .._trainer import TrainState
@@ -45,6 +43,7 @@ from ._config import pipeline_config
 from ._config_io import to_dict
 from ._errors import StageError as StageError
 from ._run_data import RunData, stream
+from ._stage_checkpoints import adapted_checkpoint_digest, committed, open_checkpoints
 from ._stage_sections import OptimSection, SamplerSection
 
 ROLES = ("teacher", "student")
@@ -345,58 +344,12 @@ class Run(RunData):
         else:
             base = self.restore_model(source["checkpoint"], model_config, identity, mesh=mesh,
                                       what=f"{what}: its base {source['checkpoint']}")
-        digest = (adapted_checkpoint_digest(source["checkpoint"]) if "checkpoint" in source else None) or \
-            weights_digest(base)
-        if digest != pinned.fields["base_digest"]:
+        pinned_digest = str(pinned.fields["base_digest"])
+        by_content = "checkpoint" in source and pinned_digest.startswith("saved:")  # else as bdlm pinned it before
+        digest = adapted_checkpoint_digest(source["checkpoint"]) if by_content else None
+        digest = digest or weights_digest(base)
+        if digest != pinned_digest:
             raise StageError(f"{what}: its LoRA adapters were trained on a base ({source}) whose weights digest "
                              f"was {pinned.fields['base_digest'][:12]}, but that base now reads {digest[:12]}: "
                              f"adapters.base_digest differs. Restore the base it was trained on, or rerun the stage")
         return add_lora(base, LoRAConfig.from_dict(pinned.fields["lora"]), key=jax.random.key(0))
-
-
-def adapted_checkpoint_digest(directory: str | Path) -> str | None:
-    """For a LoRA stage's checkpoint (adapters on a base it pins), a digest of what it holds: the
-    content digests its latest step recorded for the adapters, and its own base's pin, so a chain
-    of LoRA stages is pinned link by link by content. Merged, its model's bits depend on the
-    mesh and backend that merged it, so they cannot pin it. None for any other checkpoint (its
-    restored weights are the same bits on any layout: `weights_digest` pins them)."""
-    checkpoints = open_checkpoints(directory, create=False)
-    try:
-        meta = checkpoints.read_meta()
-    except CheckpointError as err:
-        raise StageError(str(err)) from None
-    finally:
-        checkpoints.close()
-    adapters = (meta.get("fingerprints") or {}).get("adapters")
-    if adapters is None:
-        return None
-    model = {path: shards for path, shards in sorted((meta.get("digests") or {}).items()) if path.startswith("model/")}
-    record = {"step": int(meta["step"]), "model": model, "adapters": adapters}
-    return "saved:" + hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
-
-
-def open_checkpoints(directory: str | Path, *, create: bool, max_to_keep: int | None = 2,
-                     async_save: bool = False) -> Checkpointer:
-    """A stage's checkpoint folder; without `create` one that must hold a stage's checkpoints, refused
-    in the preset's terms (a missing folder, one step's folder given for the stage's)."""
-    folder = Path(directory)
-    if not create and not folder.is_dir():
-        raise StageError(f"checkpoint folder {str(folder)!r} does not exist; give a stage's checkpoint folder "
-                         f"(<output_dir>/pipeline/<run-id>/checkpoints/<stage>)")
-    if not create and folder.name.isdigit() and (folder / "meta").is_dir():
-        raise StageError(f"{str(folder)!r} is one step of the checkpoint folder {str(folder.parent)!r}; give that "
-                         f"folder (its latest complete step is used)")
-    try:
-        return Checkpointer(directory, max_to_keep=max_to_keep, create=create, async_save=async_save)
-    except CheckpointError as err:
-        raise StageError(str(err)) from None
-
-
-def committed(tree: Any) -> Any:
-    """`tree`'s arrays committed to the default device, as a restored checkpoint's are. A program
-    compiled for committed arguments differs from one for uncommitted arguments (it carries their
-    shardings), so a stage that starts from fresh or imported weights would otherwise compile its
-    sampler and evaluation anew for the next stage, which starts from the saved checkpoint (and
-    miss JAX's persistent compilation cache)."""
-    device = jax.local_devices()[0]
-    return jax.tree.map(lambda x: jax.device_put(x, device) if isinstance(x, jax.Array) else x, tree)
