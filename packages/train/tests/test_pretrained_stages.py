@@ -184,6 +184,33 @@ def test_a_hub_repo_pins_its_commit_and_a_moved_branch_is_refused_by_name(hub_ca
     assert accepted == {"identity.pretrained_source.commit": ("a" * 40, "b" * 40)}
 
 
+def test_the_canvas_block_defaults_to_the_checkpoints_and_another_is_said(tmp_path, capsys):
+    """`[canvas] block_size` left out took the canvas's default (4) over a checkpoint trained at
+    8, silently, and exported it as 4. It now defaults to the checkpoint's (SDAR's `block_size`,
+    Fast-dLLM v2's `bd_size`); a block size set on purpose is kept and said at the start."""
+    folder = tmp_path / "sdar"
+    shutil.copytree(FIXTURES / "sdar", folder)
+    raw = read_hf_config(folder)
+    (folder / "config.json").write_text(json.dumps({**raw, "block_size": 8}))
+    preset = _preset(folder, folder)
+    preset["canvas"] = {"prompt_len": 16, "max_new_tokens": 8}
+    assert parse_pipeline_config(preset)["canvas"]["block_size"] == 8
+    (folder / "config.json").write_text(json.dumps({**{k: v for k, v in raw.items() if k != "block_size"},
+                                                    "bd_size": 8}))
+    assert parse_pipeline_config(preset)["canvas"]["block_size"] == 8
+    preset["canvas"]["max_new_tokens"] = 12
+    with pytest.raises(ConfigError, match=r"canvas.block_size = 8 is the student's pretrained checkpoint's; set "
+                                          r"\[canvas\] block_size to choose another"):
+        parse_pipeline_config(preset)
+    explicit = _preset(folder, folder)  # block_size = 4, set
+    config = parse_pipeline_config(explicit)
+    assert config["canvas"]["block_size"] == 4
+    check_adopted(config)
+    assert ("canvas.block_size = 4: the student's pretrained checkpoint was trained with block size 8; its model "
+            "runs, and exports, at 4") in capsys.readouterr().err
+    assert parse_pipeline_config(_preset(FIXTURES / "qwen3", FIXTURES / "qwen3"))["canvas"]["block_size"] == 4
+
+
 def test_a_revision_without_a_repo_is_refused_by_name():
     with pytest.raises(ConfigError, match="revision: 'v1' is given without pretrained"):
         parse_pipeline_config({"student": {"revision": "v1"}})

@@ -38,6 +38,7 @@ class CanvasConfig:
         prompt_len: P, prompt tokens (a multiple of `block_size`); prompts are left-padded to it.
         max_new_tokens: N, completion tokens (a multiple of `block_size`).
         block_size: b, tokens per block: bidirectional inside a block, causal across blocks (1: autoregressive).
+            In a preset that starts from a pretrained checkpoint, left out it is the checkpoint's.
         policy: RoPE positions: `block_aligned` (a slot's index, padding counted) or `contiguous` (padding skipped).
     """
 

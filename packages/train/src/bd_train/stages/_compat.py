@@ -15,6 +15,7 @@ from bd_data import CanvasOverflow, ChatTemplateError, JsonlError, TokenizerErro
 from bd_models import ModelConfig
 
 from .._checkpoint import CheckpointError
+from ._config import pretrained_block_size
 from ._errors import CanvasTooSmall
 from ._run import EXECUTION_FIELDS, ROLES, Run, StageError, open_checkpoints
 
@@ -132,7 +133,8 @@ def check_adopted(config: Any) -> None:
     now too, a built-in task's first training problems and held-out ones are fitted to the canvas
     (`check_task_fits`, through the chat template if any), and a teacher and
     student whose output vocabularies differ are refused. Each adopted checkpoint is said on
-    stderr, with the stage that wrote it (`adoption`)."""
+    stderr, with the stage that wrote it (`adoption`), and a `[canvas] block_size` other than the
+    pretrained checkpoint's (which it defaults to) too."""
     run = Run(config)
     try:
         _ = run.tokenizer  # loads and checks the special tokens
@@ -151,6 +153,11 @@ def check_adopted(config: Any) -> None:
         raise StageError(str(err)) from None
     except ChatTemplateError as err:
         raise StageError(f"task.chat_template: {err}") from None
+    trained = pretrained_block_size(run.config)
+    if trained is not None and trained[1] != run.config.canvas.block_size:  # set on purpose: said, not refused
+        print(f"canvas.block_size = {run.config.canvas.block_size}: the {trained[0]}'s pretrained checkpoint was "
+              f"trained with block size {trained[1]}; its model runs, and exports, at {run.config.canvas.block_size}",
+              file=sys.stderr)
     if len(set(sizes.values())) > 1:
         raise StageError(f"teacher vocab_size {sizes['teacher']} != student vocab_size {sizes['student']} (from "
                          f"their config.json files): distillation compares the two output distributions token by "

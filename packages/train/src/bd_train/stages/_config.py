@@ -219,7 +219,32 @@ def parse_pipeline_config(text: str | dict) -> dict[str, Any]:
             raise ConfigError(f"the config is not valid TOML: {err}") from err
     else:
         data = dict(text)
-    return build(PipelineConfig, data).to_dict()
+    config = build(PipelineConfig, data)
+    canvas = data.get("canvas") if isinstance(data.get("canvas"), dict) else {}
+    trained = None if "block_size" in canvas else pretrained_block_size(config)
+    if trained is not None and trained[1] != config.canvas.block_size:  # the checkpoint's block, unless set
+        try:
+            config = build(PipelineConfig, {**data, "canvas": {**canvas, "block_size": trained[1]}})
+        except ConfigError as err:
+            raise ConfigError(f"{err} (canvas.block_size = {trained[1]} is the {trained[0]}'s pretrained "
+                              f"checkpoint's; set [canvas] block_size to choose another)") from None
+    return config.to_dict()
+
+
+def pretrained_block_size(config: PipelineConfig) -> tuple[str, int] | None:
+    """(role, block size) of the student's pretrained checkpoint, else the teacher's, where its
+    config.json names one (`block_size`, SDAR's; `bd_size`, Fast-dLLM v2's); None for none (an
+    autoregressive checkpoint, or no pretrained one), where the canvas's block size is the choice."""
+    from bd_models import read_hf_config
+
+    for role in ("student", "teacher"):
+        folder = getattr(config, role).folder
+        if folder:
+            raw = read_hf_config(folder)
+            for key in ("block_size", "bd_size"):  # bd_models reads them in this order
+                if isinstance(raw.get(key), int) and raw[key] > 0:
+                    return role, raw[key]
+    return None
 
 
 def pipeline_config(data: Any) -> PipelineConfig:
