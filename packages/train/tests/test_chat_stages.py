@@ -23,7 +23,8 @@ CHATML = FIXTURES / "chatml"
 
 def _preset(tokenizer_folder: Path | None = CHATML, chat_template: object = True, prompt_len: int = 80,
             **task) -> dict:
-    preset = {"task": {"name": "sort", "params": {"length": 4}, "chat_template": chat_template, **task},
+    built_in = {} if "train_jsonl" in task else {"name": "sort", "params": {"length": 4}}
+    preset = {"task": {**built_in, "chat_template": chat_template, **task},
               "canvas": {"prompt_len": prompt_len, "max_new_tokens": 8, "block_size": 4},
               "sft": {"batch_size": 4}, "eval": {"n": 6}}
     if tokenizer_folder is not None:

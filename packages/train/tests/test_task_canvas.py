@@ -32,3 +32,44 @@ def test_a_built_in_tasks_problems_are_fitted_to_the_canvas_before_training(tmp_
                                          r"tokens but canvas\.prompt_len = 4"):
         check_adopted(_preset(tmp_path, {"length": 4}, prompt_len=4))
     check_adopted(_preset(tmp_path, {"length": 3}, prompt_len=4, max_new_tokens=4))
+
+
+def test_every_problem_of_a_math_file_is_fitted_at_the_start_and_named_by_line(tmp_path):
+    """The math task's file was checked for its first 512 training problems only: a long one
+    later stopped the run part way, with no file or line. Every problem is fitted now, and the
+    refusal names the file and line."""
+    import json
+
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(600)]
+    rows[550]["prompt"] = "what is " * 20 + "1+1="
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n")
+    config = _preset(tmp_path, {"path": str(data), "eval_path": str(held)}, prompt_len=8)
+    config["task"]["name"] = "math"
+    with pytest.raises(StageError, match=rf"^canvas\.prompt_len: train problem 550 of task 'math' "
+                                         rf"\({data}:551\) .* takes \d+ tokens but canvas\.prompt_len = 8; raise "
+                                         r"prompt_len \(a multiple of block_size = 4\) or shorten or remove that problem"):
+        check_adopted(parse_pipeline_config(config))
+
+
+def test_task_keys_the_data_would_ignore_are_refused_by_key(tmp_path):
+    """`name = "math"` beside the user's JSONL files was ignored (exact match rewarded them), and
+    `overlong` with a built-in task did nothing."""
+    from bd_core import ConfigError
+
+    data = tomllib.loads(SMOKE.read_text())
+    files = tmp_path / "d.jsonl"
+    files.write_text('{"prompt": "1=", "completion": "1"}\n')
+    data["task"] = {"name": "math", "train_jsonl": str(files), "eval_jsonl": str(files)}
+    with pytest.raises(ConfigError, match=r"^task\.name: a built-in task's name is unused with train_jsonl"):
+        parse_pipeline_config(data)
+    data["task"] = {"params": {"length": 3}, "train_jsonl": str(files), "eval_jsonl": str(files)}
+    with pytest.raises(ConfigError, match=r"^task\.params: "):
+        parse_pipeline_config(data)
+    data["task"] = {"name": "sort", "overlong": "skip"}
+    with pytest.raises(ConfigError, match=r"^task\.overlong: 'skip' applies to train_jsonl / eval_jsonl"):
+        parse_pipeline_config(data)
+    recorded = parse_pipeline_config({**data, "task": {"train_jsonl": str(files), "eval_jsonl": str(files)}})
+    assert parse_pipeline_config(recorded) == recorded  # the full form, defaults in, is never refused

@@ -91,23 +91,34 @@ class MathTask(Task):
         start_verify_worker()  # its ~1-2 s of imports overlap with whatever runs before the first reward
 
     @functools.cached_property
-    def _splits(self) -> dict[str, tuple[Example, ...]]:
-        records = [values for _, values in read_records(Path(self.path), FIELDS)]
+    def _rows(self) -> dict[str, tuple[tuple[str, tuple[str, ...]], ...]]:
+        """Per split, each problem's `file:line` and its (prompt, answer)."""
+        records = [(f"{self.path}:{line}", values) for line, values in read_records(Path(self.path), FIELDS)]
         if self.eval_path is None:
-            held = [r for r in records if in_eval(r[0])]
-            train = [r for r in records if not in_eval(r[0])]
+            held = [r for r in records if in_eval(r[1][0])]
+            train = [r for r in records if not in_eval(r[1][0])]
         else:
-            held = [values for _, values in read_records(Path(self.eval_path), FIELDS)]
-            prompts = {prompt for prompt, _ in held}
-            train = [r for r in records if r[0] not in prompts]
+            held = [(f"{self.eval_path}:{line}", values)
+                    for line, values in read_records(Path(self.eval_path), FIELDS)]
+            prompts = {values[0] for _, values in held}
+            train = [r for r in records if r[1][0] not in prompts]
         if not train:
             raise JsonlError(f"{self.path}: no training records left ({len(records)} read, all of them eval prompts)")
         if not held:
             raise JsonlError(
                 f"{self.path}: none of its {len(records)} records falls in the eval split (about "
                 f"{EVAL_PERMILLE / 10:g}% of prompts do); pass eval_path= with held-out records")
-        return {split: tuple(Example(p, a, i) for i, (p, a) in enumerate(rows))
-                for split, rows in (("train", train), ("eval", held))}
+        return {"train": tuple(train), "eval": tuple(held)}
+
+    @functools.cached_property
+    def _splits(self) -> dict[str, tuple[Example, ...]]:
+        return {split: tuple(Example(p, a, i) for i, (_, (p, a)) in enumerate(rows))
+                for split, rows in self._rows.items()}
+
+    def where(self, index: int, split: str = "train") -> str:
+        """The file and line (`path:line`) the `index`-th example of `split` comes from."""
+        check_split(split)
+        return self._rows[split][index][0]
 
     def split_size(self, split: str) -> int:
         """The number of examples in `split` (`"train"` or `"eval"`)."""

@@ -108,22 +108,24 @@ def check_task_fits(run: Run, split: str, count: int) -> None:
     canvas = run.config.canvas
     source = run.source(split)
     markup = " with the chat template's markup" if run.chat_template is not None else ""
+    where = getattr(run.task, "where", None)  # a task read from a file (math) names the line
+    smaller = "shorten or remove that problem" if where is not None else "choose smaller [task] params"
     for index in range(min(count, len(source))):
         example = source[index]
         prompt, answer = example.token_ids(run.tokenizer)
+        problem = f"{split} problem {index} of task {run.config.task.name!r}"
+        problem += f" ({where(index, split)})" if where is not None else ""
         if len(prompt) > canvas.prompt_len:
             raise CanvasTooSmall("canvas.prompt_len",
-                                 f"{split} problem {index} of task {run.config.task.name!r} ({example.prompt!r}) "
-                                 f"takes {len(prompt)} tokens{markup} but canvas.prompt_len = {canvas.prompt_len}",
-                                 f"raise prompt_len (a multiple of block_size = {canvas.block_size}) or choose "
-                                 f"smaller [task] params")
+                                 f"{problem} ({example.prompt[:200]!r}) takes {len(prompt)} tokens{markup} but "
+                                 f"canvas.prompt_len = {canvas.prompt_len}",
+                                 f"raise prompt_len (a multiple of block_size = {canvas.block_size}) or {smaller}")
         if split == "train" and len(answer) + 1 > canvas.max_new_tokens:
             raise CanvasTooSmall("canvas.max_new_tokens",
-                                 f"training problem {index} of task {run.config.task.name!r} has an answer of "
-                                 f"{len(answer)} tokens, {len(answer) + 1} with the end-of-text token, but "
-                                 f"canvas.max_new_tokens = {canvas.max_new_tokens}",
-                                 f"raise max_new_tokens (a multiple of block_size = {canvas.block_size}) or choose "
-                                 f"smaller [task] params")
+                                 f"training{problem.removeprefix(split)} has an answer of {len(answer)} tokens, "
+                                 f"{len(answer) + 1} with the end-of-text token, but canvas.max_new_tokens = "
+                                 f"{canvas.max_new_tokens}",
+                                 f"raise max_new_tokens (a multiple of block_size = {canvas.block_size}) or {smaller}")
 
 
 def check_adopted(config: Any) -> None:
@@ -147,8 +149,9 @@ def check_adopted(config: Any) -> None:
             for split in ("train", "eval"):
                 run.source(split)
         else:  # a built-in task: its first training problems and every held-out one, fitted to the canvas now
+            every = bool(getattr(run.task, "file_params", ()))  # a file's problems: all of them, now
             for split, count in (("train", TASK_PROBLEMS_CHECKED), ("eval", run.config.eval.n)):
-                check_task_fits(run, split, count)
+                check_task_fits(run, split, len(run.source(split)) if every else count)
     except (TokenizerError, ConfigError, JsonlError, CanvasOverflow) as err:
         raise StageError(str(err)) from None
     except ChatTemplateError as err:

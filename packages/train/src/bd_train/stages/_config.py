@@ -220,6 +220,7 @@ def parse_pipeline_config(text: str | dict) -> dict[str, Any]:
     else:
         data = dict(text)
     config = build(PipelineConfig, data)
+    _check_task_keys_used(data.get("task") if isinstance(data.get("task"), dict) else {}, config)
     canvas = data.get("canvas") if isinstance(data.get("canvas"), dict) else {}
     trained = None if "block_size" in canvas else pretrained_block_size(config)
     if trained is not None and trained[1] != config.canvas.block_size:  # the checkpoint's block, unless set
@@ -229,6 +230,25 @@ def parse_pipeline_config(text: str | dict) -> dict[str, Any]:
             raise ConfigError(f"{err} (canvas.block_size = {trained[1]} is the {trained[0]}'s pretrained "
                               f"checkpoint's; set [canvas] block_size to choose another)") from None
     return config.to_dict()
+
+
+def _check_task_keys_used(given: dict[str, Any], config: PipelineConfig) -> None:
+    """Keys of `[task]` the preset sets that its data would ignore are refused, by key: a built-in
+    task's `name`/`params` beside the user's JSONL files (rewarded by exact match), and
+    `overlong` with a built-in task (its problems must each fit the canvas). The defaults a
+    recorded config holds in full are never refused."""
+    default = TaskSection()
+    if config.task.train_jsonl is not None:
+        if given.get("name", default.name) != default.name or given.get("params"):
+            key = "name" if given.get("name", default.name) != default.name else "params"
+            raise ConfigError(f"task.{key}: a built-in task's {key} is unused with train_jsonl / eval_jsonl, whose "
+                              f"answers are rewarded by exact match; remove it, or, for math-verify rewards, use "
+                              f"name = \"math\" with params = {{ path = ..., eval_path = ... }} instead of the "
+                              f"JSONL keys")
+    elif given.get("overlong", default.overlong) != default.overlong:
+        raise ConfigError(f"task.overlong: {given['overlong']!r} applies to train_jsonl / eval_jsonl; a built-in "
+                          f"task's problems are each fitted to the canvas when the run starts (raise [canvas] "
+                          f"prompt_len / max_new_tokens); remove it")
 
 
 def pretrained_block_size(config: PipelineConfig) -> tuple[str, int] | None:
