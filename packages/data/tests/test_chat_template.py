@@ -167,7 +167,8 @@ def test_jsonl_lengths_count_the_rendered_prompt(tmp_path):
     loaded = load_jsonl(path, tokenizer=tok, canvas=canvas, overlong="skip", chat_template=template)
     assert loaded.report.skipped_lines == (2,)
     assert loaded[0].prompt_ids.tolist() == template.encode("2+2=", tok).tolist() and loaded[0].prompt == "2+2="
-    with pytest.raises(JsonlError, match=r"d\.jsonl:2: prompt has 93 tokens but CanvasConfig\.prompt_len=32"):
+    with pytest.raises(JsonlError, match=r"d\.jsonl:2: prompt has 93 tokens with the chat template's markup "
+                                         r"\(task\.chat_template\) but CanvasConfig\.prompt_len=32"):
         load_jsonl(path, tokenizer=tok, canvas=canvas, chat_template=template)
     cut = load_jsonl(path, tokenizer=tok, canvas=canvas, overlong="truncate", chat_template=template)
     assert cut.report.truncated_lines == (2,)

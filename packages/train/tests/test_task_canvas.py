@@ -50,7 +50,8 @@ def test_every_problem_of_a_math_file_is_fitted_at_the_start_and_named_by_line(t
     config["task"]["name"] = "math"
     with pytest.raises(StageError, match=rf"^canvas\.prompt_len: train problem 550 of task 'math' "
                                          rf"\({data}:551\) .* takes \d+ tokens but canvas\.prompt_len = 8; raise "
-                                         r"prompt_len \(a multiple of block_size = 4\) or shorten or remove that problem"):
+                                         r"prompt_len \(a multiple of block_size = 4\) or shorten or remove that "
+                                         r"problem"):
         check_adopted(parse_pipeline_config(config))
 
 

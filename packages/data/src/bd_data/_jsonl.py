@@ -122,6 +122,10 @@ def _fit(prompt: str, completion: str, tokenizer: Tokenizer, canvas: CanvasConfi
     if chat_template is None:
         return fit_to_canvas(tokenizer.encode(prompt), answer, canvas, overlong)
     prompt_ids, cut = chat_template.encode(prompt, tokenizer), False
+    if len(prompt_ids) > canvas.prompt_len and overlong == "error":
+        raise CanvasOverflow(f"prompt has {len(prompt_ids)} tokens with the chat template's markup "
+                             f"(task.chat_template) but CanvasConfig.prompt_len={canvas.prompt_len}; raise prompt_len "
+                             f"or shorten the prompt")
     if len(prompt_ids) > canvas.prompt_len and overlong == "truncate":
         prompt_ids, cut = chat_template.fit(prompt, tokenizer, canvas.prompt_len), True
     fitted = fit_to_canvas(prompt_ids, answer, canvas, overlong)

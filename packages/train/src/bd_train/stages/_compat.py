@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bd_core import ConfigError, Fingerprint, FingerprintMismatch, fingerprint, require_compatible
-from bd_data import CanvasOverflow, ChatTemplateError, JsonlError, TokenizerError
+from bd_data import CanvasOverflow, ChatTemplateError, JsonlError, JsonlSource, TokenizerError
 from bd_models import ModelConfig
 
 from .._checkpoint import CheckpointError
@@ -147,7 +147,14 @@ def check_adopted(config: Any) -> None:
                 run.check_pretrained(role)
         if run.task is None:  # the user's JSONL: every line, tokenized and fitted to the canvas, now
             for split in ("train", "eval"):
-                run.source(split)
+                source = run.source(split)
+                assert isinstance(source, JsonlSource)  # no built-in task: the user's files
+                report = source.report
+                if report.truncated or report.skipped:  # said: what trains is not the whole file
+                    lines = report.truncated_lines or report.skipped_lines
+                    shown = ", ".join(map(str, lines[:10])) + (", ..." if len(lines) > 10 else "")
+                    print(f"task.{split}_jsonl: {source.path}: {report.summary()} of {len(source) + report.skipped} "
+                          f"(lines {shown})", file=sys.stderr)
         else:  # a built-in task: its first training problems and every held-out one, fitted to the canvas now
             every = bool(getattr(run.task, "file_params", ()))  # a file's problems: all of them, now
             for split, count in (("train", TASK_PROBLEMS_CHECKED), ("eval", run.config.eval.n)):
