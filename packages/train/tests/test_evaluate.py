@@ -127,6 +127,9 @@ def test_mistakes_of_the_flags_are_named_by_flag_before_any_decoding(checkpoint,
     held_out.write_text('{"prompt": "1=", "completion": "1"}\n')
     config = {"task": {"train_jsonl": str(tmp_path / "gone.jsonl"), "eval_jsonl": str(held_out)}}
     assert _held_out_only(config)["task"]["train_jsonl"] == str(held_out)
+    held_out.unlink()  # named as the held-out file (it was named as the training file standing in for it)
+    with pytest.raises(StageError, match=r"^task\.eval_jsonl: file '.*eval\.jsonl' does not exist"):
+        _held_out_only(config)
 
 
 def test_another_task_keeps_the_prompt_format_and_every_decoding_setting_builds():

@@ -121,6 +121,8 @@ def _held_out_only(config: dict) -> dict:
     evaluation reads only the held-out problems."""
     section = dict(config.get("task") or {})
     train, held_out = section.get("train_jsonl"), section.get("eval_jsonl")
+    if held_out and not Path(held_out).is_file():  # the one file evaluation reads
+        raise StageError(f"task.eval_jsonl: file {held_out!r} does not exist")
     if train and held_out and not Path(train).exists():
         config["task"] = {**section, "train_jsonl": held_out}
     return config
