@@ -139,10 +139,11 @@ def test_another_task_keeps_the_prompt_format_and_every_decoding_setting_builds(
     from bd_train.stages import Run
     from bd_train.stages._evaluate import decoding_settings
 
-    config = {"task": {"name": "sort", "params": {"length": 4}, "chat_template": True, "overlong": "skip"}}
-    assert _overridden(dict(config), "argsort", None)["task"] == {"name": "argsort", "chat_template": True,
-                                                                  "overlong": "skip"}
+    config = {"task": {"name": "sort", "params": {"length": 4}, "chat_template": True}}
+    assert _overridden(dict(config), "argsort", None)["task"] == {"name": "argsort", "chat_template": True}
     assert _overridden(dict(config), "sort", None)["task"] == config["task"]  # its own task keeps its params
+    jsonl = {"task": {"train_jsonl": "t.jsonl", "eval_jsonl": "e.jsonl", "overlong": "skip", "chat_template": True}}
+    assert _overridden(dict(jsonl), "sort", None)["task"] == {"name": "sort", "chat_template": True}  # files only
     run = Run(parse_pipeline_config({"eval": {"sampler": {"strategy": "steps", "steps_per_block": 2}}}))
     settings = decoding_settings(run.config.eval.sampler, (0.5, 0.9))
     assert [run.sampler_config(section).strategy for _, section in settings] == ["threshold"] * 3

@@ -147,7 +147,7 @@ def _overridden(config: dict, task: str | None, n: int | None) -> dict:
     if task is not None:  # another task's data, prompted as the checkpoint was trained (its chat template)
         recorded = config.get("task", {})
         kept = {k: v for k, v in recorded.items()
-                if k in ("chat_template", "overlong") or (k == "params" and recorded.get("name") == task)}
+                if k == "chat_template" or (k == "params" and recorded.get("name") == task)}
         config["task"] = {"name": task, **kept}
     if n is not None:
         section = config.get("eval", {})
