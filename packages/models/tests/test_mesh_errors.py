@@ -52,3 +52,4 @@ def test_hidden_sizes_name_their_axis():
 def test_mesh_errors_are_config_errors():
     # one ConfigError for the whole project: bd_models re-exports bd_core's, and MeshError is one
     assert bd_models.ConfigError is bd_core.ConfigError and issubclass(MeshError, bd_core.ConfigError)
+

@@ -272,3 +272,19 @@ def test_an_async_save_keeps_its_values_when_the_next_step_donates_them(tmp_path
         restored = checkpoints.restore(trainer.init(toy_model(key=jax.random.key(5)), key=jax.random.key(0)), step=1)
     got = [np.array(x) for x in jax.tree.leaves((restored.step, restored.model, restored.opt_state))]
     assert all(g.tobytes() == w.tobytes() for g, w in zip(got, want, strict=True))
+
+
+def test_shard_map_attention_names_the_microbatch_that_does_not_divide(batch_factory):
+    """16 rows in 4 microbatches on 8 data-parallel devices: `shard_map` attention sees 4 rows. Its
+    refusal named the kv heads too, which divide, and not the microbatch the rows are."""
+    config = ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32, block_size=2,
+                         attention="shard_map", q_tile=8, k_tile=8)
+    model = BlockDiffusionLM(config, key=jax.random.key(9))
+    trainer = Trainer(sft_objective, make_optimizer(OptimizerConfig(learning_rate=1e-2)), TrainerConfig(microbatches=4))
+    mesh = make_mesh(1, 8, 1)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"the 4 rows it is called with \(a microbatch's, when a "
+                                                             r"step is split into microbatches\) are split over "
+                                                             r"data\*fsdp = 8 devices") as err:
+        trainer.step(trainer.init(shard_model(model, mesh), key=jax.random.key(0)),
+                     shard_batch(batch_factory(50, rows=16, length=8), mesh))
+    assert "n_kv_heads" not in str(err.value)

@@ -226,11 +226,13 @@ def on_mesh(kernel, name: str, q_BxKxGxTxE, k_BxKxSxE, v_BxKxSxE, q_meta: TokenM
                          f"{sorted(missing)}. Build it with bd_models.make_mesh")
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     batch, kv_heads = q_BxKxGxTxE.shape[0], k_BxKxSxE.shape[1]
-    if batch % n_batch or kv_heads % mesh.shape[MODEL_AXIS]:
-        raise ValueError(
-            f"attention={name!r}: batch {batch} must divide by data*fsdp={n_batch} and n_kv_heads {kv_heads} "
-            f"by model={mesh.shape[MODEL_AXIS]}; change the batch size, n_kv_heads or the mesh shape"
-        )
+    if batch % n_batch:
+        raise ValueError(f"attention={name!r}: the {batch} rows it is called with (a microbatch's, when a step is "
+                         f"split into microbatches) are split over data*fsdp = {n_batch} devices, which must divide "
+                         f"them; change the batch size, the microbatches or the mesh shape")
+    if kv_heads % mesh.shape[MODEL_AXIS]:
+        raise ValueError(f"attention={name!r}: n_kv_heads {kv_heads} must divide by model = "
+                         f"{mesh.shape[MODEL_AXIS]}; change n_kv_heads or the mesh shape")
     q_spec, kv_spec, meta_spec = P(BATCH_AXES, MODEL_AXIS), P(BATCH_AXES, MODEL_AXIS), P(BATCH_AXES)
     # A TokenMeta of specs (a pytree prefix of the metas), not of arrays: `_make` takes any values.
     metas = TokenMeta._make((meta_spec, meta_spec, meta_spec))

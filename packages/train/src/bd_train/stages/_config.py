@@ -176,14 +176,25 @@ class PipelineConfig:
     def _check_batches_split_over_the_mesh(self) -> None:
         """Each microbatch's rows are split over the mesh's `data` x `fsdp` devices: refused here, by
         key, rather than when the stage starts after the ones before it have trained."""
-        shards = self.mesh.data * self.mesh.fsdp
+        shards, mesh = self.mesh.data * self.mesh.fsdp, self.mesh
+        for role in ("teacher", "student"):  # sizes a preset sets (a checkpoint's are checked when read)
+            section = getattr(self, role)
+            if section.pretrained is None and section.checkpoint is None:
+                kwargs = section.model_kwargs()
+                for key, axes, n in (("n_heads", "model", mesh.model), ("n_kv_heads", "model", mesh.model),
+                                     ("d_ff", "model", mesh.model), ("d_model", "fsdp", mesh.fsdp)):
+                    if kwargs[key] % n:
+                        raise ConfigError(f"{role}.{key}: {kwargs[key]} does not divide the mesh's {axes} = {n} "
+                                          f"devices it is split over; make it a multiple of {n}, or change [mesh]")
         if shards == 1:
             return
-        sft, opd, grpo = self.sft, self.opd, self.grpo
+        sft, opd, grpo, rft = self.sft, self.opd, self.grpo, self.rft
         for key, rows, microbatches, what in (
                 ("sft.batch_size", sft.batch_size, sft.microbatches, "batch_size"),
                 ("opd.prompts_per_step", opd.prompts_per_step, opd.microbatches, "prompts_per_step"),
                 ("grpo.prompts_per_step", grpo.prompts_per_step * grpo.group_size, grpo.microbatches,
+                 "prompts_per_step x group_size"),
+                ("rft.prompts_per_step", rft.prompts_per_step * rft.group_size, rft.microbatches,
                  "prompts_per_step x group_size")):
             if (rows // microbatches) % shards:
                 per = rows // microbatches
@@ -220,8 +231,8 @@ def parse_pipeline_config(text: str | dict) -> dict[str, Any]:
     else:
         data = dict(text)
     config = build(PipelineConfig, data)
-    _check_task_keys_used(data.get("task") if isinstance(data.get("task"), dict) else {}, config)
-    canvas = data.get("canvas") if isinstance(data.get("canvas"), dict) else {}
+    task, canvas = (value if isinstance(value := data.get(key), dict) else {} for key in ("task", "canvas"))
+    _check_task_keys_used(task, config)
     trained = None if "block_size" in canvas else pretrained_block_size(config)
     if trained is not None and trained[1] != config.canvas.block_size:  # the checkpoint's block, unless set
         try:

@@ -204,9 +204,11 @@ class Run(RunData):
 
     # -- meshes and models ---------------------------------------------------------------------------
 
-    def mesh(self, *model_configs: ModelConfig, batch_size: int) -> jax.sharding.Mesh | None:
-        """The config's mesh over every process's devices, checked against each model and the
-        (micro)batch; None on a single device, where nothing is placed."""
+    def mesh(self, *model_configs: ModelConfig, batch_size: int, roles: tuple[str, ...] = ("student",)
+             ) -> jax.sharding.Mesh | None:
+        """The config's mesh over every process's devices, checked against each model (of `roles`,
+        in order, which a refusal names) and the (micro)batch; None on a single device, where
+        nothing is placed."""
         section = self.config.mesh
         if section.devices == 1:
             return None
@@ -214,11 +216,11 @@ class Run(RunData):
             raise StageError(f"mesh: data*fsdp*model = {section.devices} but this run has {jax.device_count()} "
                              f"devices over {jax.process_count()} process(es); match the mesh to the devices")
         mesh = make_mesh(section.data, section.fsdp, section.model)
-        try:
-            for model_config in model_configs:
+        for role, model_config in zip(roles, model_configs, strict=True):
+            try:
                 check_divisibility(model_config, mesh, batch_size)
-        except MeshError as err:
-            raise StageError(f"mesh: {err}") from None
+            except MeshError as err:
+                raise StageError(f"mesh: the {role}'s {err}") from None
         return mesh
 
     @staticmethod

@@ -73,7 +73,7 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
     mask_id = run.tokenizer.mask_id
     teacher_config = saved_model_config(run, teacher.fingerprint, "teacher")
     mesh = run.mesh(run.model_config("student"), teacher_config,
-                    batch_size=section.prompts_per_step // section.microbatches)
+                    batch_size=section.prompts_per_step // section.microbatches, roles=("student", "teacher"))
     teacher_model = run.restore_model(teacher.checkpoint_dir, teacher_config, teacher.fingerprint,
                                       what="teacher checkpoint", mesh=mesh)
     identity = run.identity("student")

@@ -52,7 +52,7 @@ def run_sft(config: Any, where: RunDir, *, role: str, start: StageResult | None 
     steps = cfg.sft.steps_for(role)
     keys = run.keys(stage, "init", "eval")
     model_config = run.model_config(role)
-    mesh = run.mesh(model_config, batch_size=cfg.sft.batch_size // cfg.sft.microbatches)
+    mesh = run.mesh(model_config, batch_size=cfg.sft.batch_size // cfg.sft.microbatches, roles=(role,))
     optimizer = run.optimizer_config(cfg.sft.optim, steps)
     trainer = Trainer(sft_objective, make_optimizer(optimizer),
                       TrainerConfig(microbatches=cfg.sft.microbatches, donate=True))
@@ -87,7 +87,7 @@ def adopt(run: Run, role: str) -> StageResult:
     except ValueError:
         return result
     model_config = saved_model_config(run, identity, role)
-    mesh = run.mesh(model_config, batch_size=cfg.sft.batch_size // cfg.sft.microbatches)
+    mesh = run.mesh(model_config, batch_size=cfg.sft.batch_size // cfg.sft.microbatches, roles=(role,))
     model = run.restore_model(directory, model_config, identity, what=f"{role} checkpoint", mesh=mesh)
     with mesh_scope(mesh):
         result.evaluation = evaluate(model, run, key=jax.random.key(cfg.run.seed), title=f"{role} (adopted)",
