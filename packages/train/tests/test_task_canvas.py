@@ -74,3 +74,18 @@ def test_task_keys_the_data_would_ignore_are_refused_by_key(tmp_path):
         parse_pipeline_config(data)
     recorded = parse_pipeline_config({**data, "task": {"train_jsonl": str(files), "eval_jsonl": str(files)}})
     assert parse_pipeline_config(recorded) == recorded  # the full form, defaults in, is never refused
+
+
+def test_what_an_over_long_policy_dropped_is_said_at_the_start(tmp_path, capsys):
+    """`overlong = "skip"` trained on what was left without a word: 15 of 16 lines dropped once."""
+    import json
+
+    data = tomllib.loads(SMOKE.read_text())
+    rows = [{"prompt": "1=", "completion": "1"}] + [{"prompt": "9" * 40 + "=", "completion": "9"}] * 15
+    files = tmp_path / "d.jsonl"
+    files.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data["task"] = {"train_jsonl": str(files), "eval_jsonl": str(files), "overlong": "skip"}
+    check_adopted(parse_pipeline_config(data))
+    err = capsys.readouterr().err
+    assert f"task.train_jsonl: {files}: over-long policy 'skip': 0 truncated, 15 skipped of 16 (lines 2, 3, 4" in err
+    assert "task.eval_jsonl: " in err
