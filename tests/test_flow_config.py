@@ -97,8 +97,6 @@ def test_the_studys_rft_arm_samples_as_its_grpo_arm(tmp_path):
         ("[grpo.sampler]\ntemperature = 0\n", "grpo.sampler.temperature: expected > 0 (e.g. 1.0), got 0; greedy"),
         ("[mesh]\ndata = 3\n", "sft.batch_size: batch_size = 128 in 1 microbatch(es) gives 128 rows per microbatch, "
                               "which the mesh's data x fsdp = 3 devices must divide"),
-        ("[mesh]\ndata = 2\nfsdp = 2\n[rft]\nprompts_per_step = 3\ngroup_size = 2\n",
-         "rft.prompts_per_step: prompts_per_step x group_size = 6 in 1 microbatch(es) gives 6 rows"),
         ("[mesh]\nmodel = 2\n[student]\nn_kv_heads = 1\n",
          "student.n_kv_heads: 1 does not divide the mesh's model = 2 devices it is split over"),
         ("[run]\nlog_every = 0\n", "run.log_every: expected an integer >= 1, got 0"),

@@ -112,7 +112,7 @@ def test_mistakes_of_the_flags_are_named_by_flag_before_any_decoding(checkpoint,
     is named by the flag; a training file gone since (evaluation reads only the held-out one) is
     no obstacle."""
     from bd_core import ConfigError
-    from bd_train.evaluate import _held_out_only, load
+    from bd_train.evaluate import _held_out_only, _overridden, load
     from bd_train.stages import StageError
 
     with pytest.raises(StageError, match=r"^--config: .* is a stage's checkpoint, which evaluates under the config it "
@@ -130,6 +130,7 @@ def test_mistakes_of_the_flags_are_named_by_flag_before_any_decoding(checkpoint,
     held_out.unlink()  # named as the held-out file (it was named as the training file standing in for it)
     with pytest.raises(StageError, match=r"^task\.eval_jsonl: file '.*eval\.jsonl' does not exist"):
         _held_out_only(config)
+    assert "eval_jsonl" not in _held_out_only(_overridden(dict(config), "sort", None))["task"]  # --task: no file
 
 
 def test_another_task_keeps_the_prompt_format_and_every_decoding_setting_builds():

@@ -55,25 +55,24 @@ def test_every_problem_of_a_math_file_is_fitted_at_the_start_and_named_by_line(t
         check_adopted(parse_pipeline_config(config))
 
 
-def test_task_keys_the_data_would_ignore_are_refused_by_key(tmp_path):
-    """`name = "math"` beside the user's JSONL files was ignored (exact match rewarded them), and
-    `overlong` with a built-in task did nothing."""
-    from bd_core import ConfigError
-
+def test_task_keys_the_data_would_ignore_are_said_by_key(tmp_path, capsys):
+    """`name = "math"` beside the user's JSONL files was ignored without a word (exact match
+    rewarded them), and `overlong` with a built-in task did nothing. Both are said at the start
+    (not refused: a checkpoint's recorded config may hold them, and must still load)."""
     data = tomllib.loads(SMOKE.read_text())
     files = tmp_path / "d.jsonl"
     files.write_text('{"prompt": "1=", "completion": "1"}\n')
-    data["task"] = {"name": "math", "train_jsonl": str(files), "eval_jsonl": str(files)}
-    with pytest.raises(ConfigError, match=r"^task\.name: a built-in task's name is unused with train_jsonl"):
-        parse_pipeline_config(data)
-    data["task"] = {"params": {"length": 3}, "train_jsonl": str(files), "eval_jsonl": str(files)}
-    with pytest.raises(ConfigError, match=r"^task\.params: "):
-        parse_pipeline_config(data)
-    data["task"] = {"name": "sort", "overlong": "skip"}
-    with pytest.raises(ConfigError, match=r"^task\.overlong: 'skip' applies to train_jsonl / eval_jsonl"):
-        parse_pipeline_config(data)
-    recorded = parse_pipeline_config({**data, "task": {"train_jsonl": str(files), "eval_jsonl": str(files)}})
-    assert parse_pipeline_config(recorded) == recorded  # the full form, defaults in, is never refused
+    data["task"] = {"name": "math", "params": {"max_chars": 64}, "train_jsonl": str(files), "eval_jsonl": str(files)}
+    check_adopted(parse_pipeline_config(data))
+    err = capsys.readouterr().err
+    assert "task.name: unused beside train_jsonl / eval_jsonl, whose answers are rewarded by exact match" in err
+    assert "task.params: unused beside train_jsonl" in err
+    data["task"] = {"name": "sort", "params": {"length": 3}, "overlong": "skip"}
+    check_adopted(parse_pipeline_config(data))
+    assert "task.overlong = 'skip': unused with a built-in task" in capsys.readouterr().err
+    data["task"] = {"name": "sort", "params": {"length": 3}}
+    check_adopted(parse_pipeline_config(data))
+    assert "task." not in capsys.readouterr().err
 
 
 def test_what_an_over_long_policy_dropped_is_said_at_the_start(tmp_path, capsys):

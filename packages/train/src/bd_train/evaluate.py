@@ -89,7 +89,7 @@ def load(checkpoint: str | Path, *, task: str | None = None, n: int | None = Non
         raise StageError(f"checkpoint {checkpoint} holds no pipeline config or model identity; evaluate checkpoints "
                          "written by a bdlm stage (runs/pipeline/<run>/checkpoints/<stage>)")
     try:
-        run = _checked(Run(parse_pipeline_config(_overridden(_held_out_only(dict(meta["config"])), task, n))))
+        run = _checked(Run(parse_pipeline_config(_held_out_only(_overridden(dict(meta["config"]), task, n)))))
     except (ConfigError, StageError) as err:
         kind = ConfigError if isinstance(err, ConfigError) else StageError
         raise kind(_flag_error(err, task, f"the config that checkpoint {checkpoint} recorded")) from None

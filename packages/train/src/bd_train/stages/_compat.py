@@ -15,7 +15,7 @@ from bd_data import CanvasOverflow, ChatTemplateError, JsonlError, JsonlSource, 
 from bd_models import ModelConfig
 
 from .._checkpoint import CheckpointError
-from ._config import pretrained_block_size
+from ._config import pretrained_block_size, unused_task_keys
 from ._errors import CanvasTooSmall
 from ._run import EXECUTION_FIELDS, ROLES, Run, StageError, open_checkpoints
 
@@ -163,6 +163,8 @@ def check_adopted(config: Any) -> None:
         raise StageError(str(err)) from None
     except ChatTemplateError as err:
         raise StageError(f"task.chat_template: {err}") from None
+    for line in unused_task_keys(run.config):
+        print(line, file=sys.stderr)
     trained = pretrained_block_size(run.config)
     if trained is not None and trained[1] != run.config.canvas.block_size:  # set on purpose: said, not refused
         print(f"canvas.block_size = {run.config.canvas.block_size}: the {trained[0]}'s pretrained checkpoint was "

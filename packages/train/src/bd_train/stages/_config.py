@@ -188,19 +188,13 @@ class PipelineConfig:
                                           f"devices it is split over; make it a multiple of {n}, or change [mesh]")
         if shards == 1:
             return
-        sft, opd, grpo, rft = self.sft, self.opd, self.grpo, self.rft
+        sft, opd, grpo = self.sft, self.opd, self.grpo
         for key, rows, microbatches, what in (
                 ("sft.batch_size", sft.batch_size, sft.microbatches, "batch_size"),
                 ("opd.prompts_per_step", opd.prompts_per_step, opd.microbatches, "prompts_per_step"),
                 ("grpo.prompts_per_step", grpo.prompts_per_step * grpo.group_size, grpo.microbatches,
-                 "prompts_per_step x group_size"),
-                ("rft.prompts_per_step", rft.prompts_per_step * rft.group_size, rft.microbatches,
                  "prompts_per_step x group_size")):
-            if (rows // microbatches) % shards:
-                per = rows // microbatches
-                raise ConfigError(f"{key}: {what} = {rows} in {microbatches} microbatch(es) gives {per} "
-                                  f"rows per microbatch, which the mesh's data x fsdp = {shards} devices must divide; "
-                                  f"make {what} / microbatches a multiple of {shards}, or change [mesh]")
+            check_rows_split(key, rows, microbatches, what, shards)
 
     @property
     def tokenizer_file(self) -> str | None:
@@ -231,8 +225,7 @@ def parse_pipeline_config(text: str | dict) -> dict[str, Any]:
     else:
         data = dict(text)
     config = build(PipelineConfig, data)
-    task, canvas = (value if isinstance(value := data.get(key), dict) else {} for key in ("task", "canvas"))
-    _check_task_keys_used(task, config)
+    canvas = value if isinstance(value := data.get("canvas"), dict) else {}
     trained = None if "block_size" in canvas else pretrained_block_size(config)
     if trained is not None and trained[1] != config.canvas.block_size:  # the checkpoint's block, unless set
         try:
@@ -243,23 +236,30 @@ def parse_pipeline_config(text: str | dict) -> dict[str, Any]:
     return config.to_dict()
 
 
-def _check_task_keys_used(given: dict[str, Any], config: PipelineConfig) -> None:
-    """Keys of `[task]` the preset sets that its data would ignore are refused, by key: a built-in
-    task's `name`/`params` beside the user's JSONL files (rewarded by exact match), and
-    `overlong` with a built-in task (its problems must each fit the canvas). The defaults a
-    recorded config holds in full are never refused."""
-    default = TaskSection()
-    if config.task.train_jsonl is not None:
-        if given.get("name", default.name) != default.name or given.get("params"):
-            key = "name" if given.get("name", default.name) != default.name else "params"
-            raise ConfigError(f"task.{key}: a built-in task's {key} is unused with train_jsonl / eval_jsonl, whose "
-                              f"answers are rewarded by exact match; remove it, or, for math-verify rewards, use "
-                              f"name = \"math\" with params = {{ path = ..., eval_path = ... }} instead of the "
-                              f"JSONL keys")
-    elif given.get("overlong", default.overlong) != default.overlong:
-        raise ConfigError(f"task.overlong: {given['overlong']!r} applies to train_jsonl / eval_jsonl; a built-in "
-                          f"task's problems are each fitted to the canvas when the run starts (raise [canvas] "
-                          f"prompt_len / max_new_tokens); remove it")
+def check_rows_split(key: str, rows: int, microbatches: int, what: str, shards: int) -> None:
+    """A stage's rows per microbatch split over the mesh's `shards` data-parallel devices, or a
+    `ConfigError` naming the preset key."""
+    if (rows // microbatches) % shards:
+        raise ConfigError(f"{key}: {what} = {rows} in {microbatches} microbatch(es) gives {rows // microbatches} "
+                          f"rows per microbatch, which the mesh's data x fsdp = {shards} devices must divide; "
+                          f"make {what} / microbatches a multiple of {shards}, or change [mesh]")
+
+
+def unused_task_keys(config: PipelineConfig) -> list[str]:
+    """Lines naming the `[task]` keys that the config's data does not use: a built-in task's `name`
+    or `params` beside the user's JSONL files (which are rewarded by exact match), `overlong` with
+    a built-in task (whose problems must each fit the canvas). Said, not refused: a checkpoint's
+    recorded config may hold them."""
+    task, default = config.task, TaskSection()
+    if task.train_jsonl is not None:
+        keys = [key for key in ("name", "params") if getattr(task, key) != getattr(default, key)]
+        return [f"task.{key}: unused beside train_jsonl / eval_jsonl, whose answers are rewarded by exact match "
+                f"(for math-verify rewards on your file, use name = \"math\" with params.path instead of the JSONL "
+                f"keys)" for key in keys]
+    if task.overlong != default.overlong:
+        return [f"task.overlong = {task.overlong!r}: unused with a built-in task, whose problems must each fit the "
+                f"canvas (checked at the start; raise [canvas] prompt_len / max_new_tokens)"]
+    return []
 
 
 def pretrained_block_size(config: PipelineConfig) -> tuple[str, int] | None:

@@ -216,9 +216,14 @@ class Run(RunData):
             raise StageError(f"mesh: data*fsdp*model = {section.devices} but this run has {jax.device_count()} "
                              f"devices over {jax.process_count()} process(es); match the mesh to the devices")
         mesh = make_mesh(section.data, section.fsdp, section.model)
+        shards = section.data * section.fsdp  # the stage's (micro)batch, then each model's sizes, by role
+        if batch_size % shards:
+            raise StageError(f"mesh: batch size = {batch_size} does not divide the mesh axes it is sharded over "
+                             f"(data*fsdp = {shards}) on the mesh {dict(mesh.shape)}; make it a multiple of {shards} "
+                             f"or change the mesh")
         for role, model_config in zip(roles, model_configs, strict=True):
             try:
-                check_divisibility(model_config, mesh, batch_size)
+                check_divisibility(model_config, mesh)
             except MeshError as err:
                 raise StageError(f"mesh: the {role}'s {err}") from None
         return mesh

@@ -47,8 +47,8 @@ class TaskSection:
 
     Attributes:
         name: a built-in task (`sort`, `argsort`, `addition`, `addition_lsd`, `countdown`, `mini_sudoku`,
-            `chain_sum`, `math`); refused beside JSONL files (theirs are rewarded by exact match: for math-verify
-            rewards on your file, use `math` with its `path`).
+            `chain_sum`, `math`); unused beside JSONL files (theirs are rewarded by exact match: for math-verify
+            rewards on your file, use `math` with its `path`), as the run says at the start.
         params: the task's own parameters, e.g. `{ length = 6 }` for argsort or `{ max_numbers = 3 }` for countdown:
             the attributes of its class in `bd_data` (`SortTask`, `ArgsortTask`, `AdditionTask`, `CountdownTask`,
             `MiniSudokuTask`, `ChainSumTask`, `MathTask`; `bd_data.get_task`).
@@ -58,9 +58,9 @@ class TaskSection:
         train_jsonl: a JSONL file of `{"prompt": ..., "completion": ...}` objects to train on (with `eval_jsonl`).
         eval_jsonl: the held-out JSONL file every stage evaluates on (with `train_jsonl`).
         overlong: what to do with a JSONL example longer than the canvas: `error` stops naming it, `truncate` cuts
-            it to fit, `skip` drops it; what was cut or dropped is said at the start. Refused with a built-in task,
-            whose problems must each fit (checked at the start: the first 512 training problems of a generated
-            task, every problem of a file's).
+            it to fit, `skip` drops it; what was cut or dropped is said at the start. Unused with a built-in task
+            (said at the start), whose problems must each fit: the first 512 training problems of a generated task,
+            and every problem of a file's, are checked at the start.
         chat_template: render every prompt as a user turn of a chat template: `true` for the tokenizer's own, a
             Jinja file's path, or `false`.
     """

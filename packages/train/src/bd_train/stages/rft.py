@@ -16,15 +16,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from bd_core import fingerprint
+from bd_core import ConfigError, fingerprint
 
 from .._optim import make_optimizer
 from .._rft import rft_batch
 from .._sft import sft_objective
 from .._trainer import Trainer, TrainerConfig
+from ._config import check_rows_split
 from ._driver import StageResult, StageSpec, drive
 from ._rollout import group_rollouts, on_mesh
-from ._run import Run, RunDir
+from ._run import Run, RunDir, StageError
 
 RFT_CURVES = ("accepted", "reward_mean", "loss", "grad_norm")
 
@@ -36,6 +37,11 @@ def run_rft(config: Any, where: RunDir, *, start: StageResult, fail_after: int |
     run.enable_compilation_cache()
     section, cfg = run.config.rft, run.config
     identity = run.identity("student")
+    try:  # RFT is no stage of the pipeline: its rows are checked against the mesh when it starts
+        check_rows_split("rft.prompts_per_step", section.prompts_per_step * section.group_size, section.microbatches,
+                         "prompts_per_step x group_size", cfg.mesh.data * cfg.mesh.fsdp)
+    except ConfigError as err:
+        raise StageError(str(err)) from None
     mesh = run.mesh(run.model_config("student"),
                     batch_size=section.prompts_per_step * section.group_size // section.microbatches)
     model = run.restore_model(start.checkpoint_dir, run.model_config("student"), identity,
