@@ -258,6 +258,10 @@ def test_a_data_pipeline_built_otherwise_is_not_called_damage(tmp_path):
         same = iter(grain.MapDataset.range(10).to_iter_dataset())
         checkpointer.restore(_real_state(TINY), data_iterator=same)
         assert next(same) == 1
+    for damaged in (tmp_path / "0" / "data").glob("process_*.json"):  # a damaged position is damage
+        damaged.write_text('{"trunc')
+    with Checkpointer(tmp_path, create=False) as checkpointer, pytest.raises(CheckpointCorrupted, match="remove"):
+        checkpointer.restore(_real_state(TINY), data_iterator=iter(grain.MapDataset.range(10).to_iter_dataset()))
 
 
 def test_content_that_differs_from_its_digest_is_named(tmp_path):

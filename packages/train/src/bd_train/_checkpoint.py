@@ -43,7 +43,7 @@ from ._checkpoint_errors import CheckpointCorrupted as CheckpointCorrupted
 from ._checkpoint_errors import CheckpointError as CheckpointError
 from ._checkpoint_errors import CheckpointMismatch as CheckpointMismatch
 from ._checkpoint_errors import named, plain, quiet_reads_left_behind
-from ._checkpoint_meta import PendingMeta, meta_handler, versions
+from ._checkpoint_meta import PendingMeta, data_state_whole, meta_handler, versions
 from ._checkpoint_trees import (
     arrays_of,
     describe,
@@ -372,7 +372,7 @@ class Checkpointer:
         try:
             restored = self._read(step, ocp.args.Composite(**items), "the saved state", paths, meta.get("digests"))
         except CheckpointCorrupted as err:
-            if data_iterator is None:
+            if data_iterator is None or not data_state_whole(os.path.join(self.directory, str(step), "data")):
                 raise
             # Read fine without the data pipeline's position: the files are whole, and the saved
             # position does not fit the pipeline given (another pipeline, or one built otherwise).
@@ -397,3 +397,4 @@ class Checkpointer:
             nonfinite_total=counters["nonfinite_total"],
             nonfinite_streak=counters["nonfinite_streak"],
         )
+

@@ -1,13 +1,18 @@
-"""The JSON item a checkpoint step keeps beside its arrays: the versions it was written with, and
+"""The JSON items a checkpoint step keeps beside its arrays: the versions it was written with, and
 the metadata of an asynchronous save, whose array digests are computed inside Orbax's commit
-(`meta_handler`), so a step is renamed from its temp dir only once they are written.
+(`meta_handler`), so a step is renamed from its temp dir only once they are written; and the data
+pipeline's positions (`data_state_whole`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import importlib.metadata
+import json
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -54,3 +59,13 @@ def meta_handler() -> ocp.JsonCheckpointHandler:
 
     handler._save_fn = save_fn  # type: ignore[method-assign]
     return handler
+
+
+def data_state_whole(folder: str) -> bool:
+    """Whether a step's data-pipeline positions (grain's JSON, one file per process) are all there
+    and readable: then a position that cannot be set is another pipeline's, not damage."""
+    files = glob.glob(os.path.join(folder, "process_*.json"))
+    try:
+        return bool(files) and all(isinstance(json.loads(Path(f).read_text(encoding="utf-8")), dict) for f in files)
+    except (OSError, ValueError):
+        return False
