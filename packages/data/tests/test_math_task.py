@@ -94,7 +94,8 @@ def test_bare_latex_answers_are_read_whole_not_by_their_leading_number(data):
     cases = {("3\\sqrt{2}", "3"): 0.0, ("3\\sqrt{2}", "\\sqrt{18}"): 1.0, ("3\\sqrt{2}", "$3\\sqrt{2}$"): 1.0,
              ("2^{10}", "2"): 0.0, ("2^{10}", "1024"): 1.0, ("4\\pi", "4"): 0.0, ("4\\pi", "4\\pi"): 1.0,
              ("(1, 2)", "(1,2)"): 1.0, ("7", "it is not 6, it is 7"): 1.0, ("7", "6"): 0.0,
-             ("x = 3", "3"): 1.0, ("\\frac{1}{2}", "so it is \\frac{1}{2}."): 1.0}
+             ("x = 3", "3"): 1.0, ("\\frac{1}{2}", "so it is \\frac{1}{2}."): 1.0,
+             ("2", "Since x^2 = 4 and x > 0, x = 2"): 1.0, ("9", "3^2 is 9"): 1.0, ("x^2+1", "x^2+1"): 1.0}
     for (gold, completion), reward in cases.items():
         assert task.reward(Example("q", gold), completion) == reward, (gold, completion)
     assert parse("3\\sqrt{2}")[0] == 3  # what plain text gives

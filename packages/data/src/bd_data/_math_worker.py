@@ -6,6 +6,7 @@ parent kills it when an answer overruns its deadline. Its memory is capped so a 
 
 import json
 import logging
+import re
 import sys
 from functools import lru_cache
 
@@ -28,10 +29,12 @@ def main() -> None:
 
     def parsed(text: str, bare: bool = False) -> list:
         # An answer without delimiters (`3\sqrt{2}`, `2^{10}`) read as plain text gives only its
-        # leading number (3, 2): a bare answer, and text that looks like LaTeX, is read as inline
-        # math first. Other text (free prose around a number) is read as plain text first.
+        # leading number (3, 2): a bare answer, and text that is LaTeX alone (a backslash, `^` or
+        # `{`, and no word of prose outside its commands), is read as inline math first. Other text
+        # (prose around a number, `3^2 is 9`) is read as plain text first.
         delimited = "$" in text or "\\boxed" in text
-        latex = bare or any(mark in text for mark in ("\\", "^", "{"))
+        prose = re.search(r"[A-Za-z]{2,}", re.sub(r"\\[A-Za-z]+", " ", text)) is not None
+        latex = bare or (any(mark in text for mark in ("\\", "^", "{")) and not prose)
         if latex and not delimited:
             return read(text, inline=True) or read(text, inline=False)
         return read(text, inline=False) or read(text, inline=True)
