@@ -169,6 +169,15 @@ def test_an_export_that_fails_part_way_leaves_the_folder_as_it_was(tmp_path, mon
     save_pretrained(model, out, dtype="bfloat16")  # one file now: the old shards and index are gone
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert read_hf_config(out)["torch_dtype"] == "bfloat16" and from_pretrained(out, block_size=4).config.n_layers
+    # A destination that is a link to another folder, and the folder the command runs in, are written in place.
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "disk", target_is_directory=True)
+    for _ in range(2):
+        save_pretrained(model, tmp_path / "link", max_shard_bytes=40_000)
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "disk" / "model.safetensors.index.json").is_file()
+    monkeypatch.chdir(tmp_path / "disk")
+    save_pretrained(model, ".")
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_float32_master_weights_export_in_the_dtype_asked(tmp_path):

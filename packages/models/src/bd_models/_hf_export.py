@@ -36,6 +36,7 @@ def _named_tensors(model: BlockDiffusionLM) -> Iterator[tuple[str, Callable[[], 
 
 
 SOURCE = "bdlm_source.json"
+PARTIAL = ".partial-export"  # where an export is written before it is moved up
 
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what `save_pretrained` writes tensors in
@@ -53,9 +54,9 @@ def save_pretrained(model: BlockDiffusionLM, path: str | Path, *, model_type: st
     or to the layout the model's options imply (`qwen3`, `qwen2`, `llama`). With several processes,
     every process must call it (tensors are gathered); process 0 writes. `source` (JSON-ready: where
     the weights came from, e.g. a Hub repo and commit, and what trained them) is written beside as
-    `bdlm_source.json`, so an export says what it is. The folder is written whole beside `path`
-    and then swapped in (other files already in `path` kept): an export that fails part way
-    leaves `path` as it was."""
+    `bdlm_source.json`, so an export says what it is. The export is written whole inside `path`
+    first and then moved up by renames (other files already in `path` kept): one that fails part
+    way leaves `path` as it was."""
     from ._hf_config import _layout_for
     from ._lora import has_adapters
 
@@ -74,20 +75,20 @@ def save_pretrained(model: BlockDiffusionLM, path: str | Path, *, model_type: st
     final = Path(path)
     if writer and final.exists() and not final.is_dir():
         raise PretrainedError(f"save_pretrained: {str(final)!r} is a file; give a folder to write the checkpoint in")
-    # Written whole beside the destination, then swapped in: an export that fails or is killed
-    # part way leaves the folder as it was.
-    path = final.parent / f".{final.name}.partial"
+    # Written whole in a folder inside the destination (the same disk, whatever links lead there),
+    # then moved up by renames: an export that fails or is killed part way leaves the files as
+    # they were (and the next export removes what it left).
+    partial = final / PARTIAL
     if writer:
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
     try:
-        _write(model, path, writer, content, torch_dtype, max_shard_bytes, source)
-    except BaseException:
+        _write(model, partial, writer, content, torch_dtype, max_shard_bytes, source)
         if writer:
-            shutil.rmtree(path, ignore_errors=True)
-        raise
-    if writer:
-        _swap_in(path, final)
+            _move_up(partial, final)
+    finally:
+        if writer:
+            shutil.rmtree(partial, ignore_errors=True)
     return final
 
 
@@ -132,23 +133,12 @@ def _write(model: BlockDiffusionLM, path: Path, writer: bool, content: dict, tor
         (path / "config.json").write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
 
 
-def _ours(name: str) -> bool:
-    """A file an export writes (or a part an interrupted one left): replaced, never carried over."""
-    return name in ("config.json", INDEX, SOURCE) or (name.startswith("model") and name.endswith(".safetensors")) \
-        or (name.startswith("part-") and name.endswith(".tmp"))
-
-
-def _swap_in(written: Path, final: Path) -> None:
-    """`written` becomes `final`; the files of an earlier `final` that an export does not write
-    (a tokenizer, a README) are kept."""
-    if not final.exists():
-        written.rename(final)
-        return
-    for item in final.iterdir():
-        if not _ours(item.name) and not (written / item.name).exists():
-            (shutil.copytree if item.is_dir() else shutil.copy2)(item, written / item.name)
-    old = final.parent / f".{final.name}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    final.rename(old)
-    written.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+def _move_up(written: Path, final: Path) -> None:
+    """The export in `written` replaces the one in `final`: the earlier weights, index and source
+    note are removed, the new ones moved up, config.json last. Other files of `final` (a
+    tokenizer, a README) stay."""
+    for old in [*final.glob("model*.safetensors"), final / INDEX, final / SOURCE]:
+        if not (written / old.name).exists():
+            old.unlink(missing_ok=True)
+    for new in sorted(written.iterdir(), key=lambda p: p.name == "config.json"):
+        new.replace(final / new.name)
