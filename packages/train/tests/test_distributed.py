@@ -167,6 +167,12 @@ def test_process_group_from_the_environment():
         ProcessGroup.from_env({"BDLM_NUM_PROCESSES": "2"})
     with pytest.raises(DistributedError, match="BDLM_PROCESS_ID: expected an integer, got 'one'"):
         ProcessGroup.from_env({**env, "BDLM_PROCESS_ID": "one"})
+    # Each refused by its variable before anything starts (an address without a port was a traceback).
+    for changed, message in (({"BDLM_COORDINATOR_ADDRESS": "10.0.0.1"}, r"= '10\.0\.0\.1': expected host:port"),
+                             ({"BDLM_NUM_PROCESSES": "0"}, r"BDLM_NUM_PROCESSES = 0: expected the number of processes"),
+                             ({"BDLM_PROCESS_ID": "4"}, r"BDLM_PROCESS_ID = 4: expected 0\.\.3")):
+        with pytest.raises(DistributedError, match=message):
+            ProcessGroup.from_env({**env, **changed})
 
 
 def test_a_service_that_still_holds_the_port_refuses_a_second_one(capfd):
@@ -182,7 +188,8 @@ def test_a_service_that_still_holds_the_port_refuses_a_second_one(capfd):
         assert port_taken(address) is not None
         with pytest.raises(DistributedError, match="coordination service did not start"):
             ServiceHost.start(address, 1, heartbeat_s=10, shutdown_s=10, linger_s=1.0)
-        assert "a previous group's service may still be listening there" in capfd.readouterr().err
+        err = capfd.readouterr().err
+        assert "another process 0 is listening there" in err and "the port of BDLM_COORDINATOR_ADDRESS" in err
     finally:
         first.stop()
     assert port_taken(address) is None
@@ -194,9 +201,16 @@ def test_a_bad_lost_after_is_named(monkeypatch):
     monkeypatch.setenv("BDLM_LOST_AFTER_S", "soon")
     with pytest.raises(DistributedError, match="BDLM_LOST_AFTER_S: expected seconds, got 'soon'"):
         initialize(ProcessGroup.single())
+    monkeypatch.setenv("BDLM_LOST_AFTER_S", "1")
+    with pytest.raises(DistributedError, match=r"BDLM_LOST_AFTER_S = 1: a process must be allowed at least 2 s"):
+        initialize(ProcessGroup.single())
     monkeypatch.delenv("BDLM_LOST_AFTER_S")
     with pytest.raises(DistributedError, match=r"lost_after_s = 0.5: a process must be allowed at least 2 s"):
         initialize(ProcessGroup.single(), lost_after_s=0.5)
+    monkeypatch.setenv("BDLM_JOIN_TIMEOUT_S", "0")
+    with pytest.raises(DistributedError, match=r"BDLM_JOIN_TIMEOUT_S = 0: expected seconds, >= 1"):
+        initialize(ProcessGroup.single())
+    monkeypatch.delenv("BDLM_JOIN_TIMEOUT_S")
     assert initialize(ProcessGroup.single()) == ProcessGroup.single()
 
 
@@ -221,3 +235,33 @@ def test_the_group_is_detected_from_bdlm_variables_then_from_the_cluster(monkeyp
     monkeypatch.setenv("JAX_LOCAL_DEVICE_IDS", "1")  # JAX's one process per device: not how bdlm runs
     with pytest.raises(DistributedError, match=r"JAX_LOCAL_DEVICE_IDS = '1': bdlm runs one process per host"):
         ProcessGroup.detect()
+
+
+def test_a_group_whose_processes_see_different_run_folders_is_refused_at_the_start(tmp_path):
+    """`[run] output_dir` on each host's own disk: the group used to train until its first save,
+    then die with a traceback on one process and a stall on the other. Every process now refuses
+    at the start, naming the processes that do not see process 0's folder."""
+    import tomllib
+
+    preset = tomllib.loads((Path(__file__).resolve().parents[3] / "flows" / "configs" / "smoke.toml").read_text())
+    preset["run"]["output_dir"] = "runs"  # relative: each process's own working folder
+    preset["mesh"] = {"data": 2, "num_nodes": 2}
+    text = "\n".join(f"[{name}]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in section.items())
+                     for name, section in preset.items() if isinstance(section, dict) and
+                     all(not isinstance(v, dict) for v in section.values()))
+    (tmp_path / "p.toml").write_text(text)
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs = []
+    for index in range(2):
+        (tmp_path / f"host{index}").mkdir()
+        env = {**os.environ, "BDLM_COORDINATOR_ADDRESS": coordinator, "BDLM_NUM_PROCESSES": "2",
+               "BDLM_PROCESS_ID": str(index), "WANDB_MODE": "disabled", "BDLM_PROGRESS": "0"}
+        env.pop("XLA_FLAGS", None)
+        procs.append(subprocess.Popen([sys.executable, "-m", "bd_train.stages", "run", str(tmp_path / "p.toml"),
+                                       "--stage", "sft", "--run-id", "r"], cwd=tmp_path / f"host{index}", env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [proc.communicate(timeout=240) for proc in procs]
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 1, err[-2000:]
+        assert "run.output_dir: process(es) [1] do not see the folder" in err and "shared storage" in err
+        assert "sft-teacher:" not in err  # nothing trained

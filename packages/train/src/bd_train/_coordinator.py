@@ -94,9 +94,11 @@ def main(argv: list[str]) -> int:
 
     taken = port_taken(bind_address)
     if taken is not None:
-        print(f"bdlm: the coordination service cannot start on {bind_address}: {taken}; a previous group's service "
-              f"may still be listening there (one lingers up to a few minutes after its process 0 dies): wait for "
-              f"it to end, or give this group another port (BDLM_COORDINATOR_PORT)", file=sys.stderr)
+        print(f"bdlm: the coordination service cannot start on {bind_address}: {taken}; another process 0 is "
+              f"listening there (a second process given id 0, or a previous group's service, which lingers up to a "
+              f"few minutes after its process 0 dies): give each process its own BDLM_PROCESS_ID, wait for the "
+              f"old service to end, or give this group another port (the port of BDLM_COORDINATOR_ADDRESS; the "
+              f"Metaflow flow's BDLM_COORDINATOR_PORT)", file=sys.stderr)
         return 1
     try:
         service = _jax.get_distributed_runtime_service(bind_address, int(num_processes),

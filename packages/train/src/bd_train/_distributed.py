@@ -42,6 +42,9 @@ PROCESS_ID_ENV = "BDLM_PROCESS_ID"
 LOST_AFTER_ENV = "BDLM_LOST_AFTER_S"
 """The environment variable with the seconds after which a silent process counts as lost (default 60)."""
 LOST_AFTER_S = 60.0
+JOIN_TIMEOUT_ENV = "BDLM_JOIN_TIMEOUT_S"
+"""The environment variable with the seconds every process waits for the others to start (default 300); past it
+JAX ends the process, saying another task died."""
 EXIT_LOST = 75  # EX_TEMPFAIL: the run can be resumed
 """The exit code of a process that stops because another was lost or the loop stalled (75, EX_TEMPFAIL): rerun or resume
 to continue."""
@@ -81,7 +84,18 @@ class ProcessGroup:
         if len(given) != len(names):
             raise DistributedError(f"multi-process start needs all of {names}; only {given} are set. Set the "
                                    f"others, or unset these to run as one process")
-        return cls(environ[COORDINATOR_ENV], _int(environ, NUM_PROCESSES_ENV), _int(environ, PROCESS_ID_ENV))
+        address = environ[COORDINATOR_ENV]
+        count, index = _int(environ, NUM_PROCESSES_ENV), _int(environ, PROCESS_ID_ENV)
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise DistributedError(f"{COORDINATOR_ENV} = {address!r}: expected host:port (process 0's host, and a "
+                                   f"free port there, e.g. 10.0.0.1:8476)")
+        if count < 1:
+            raise DistributedError(f"{NUM_PROCESSES_ENV} = {count}: expected the number of processes, >= 1")
+        if not 0 <= index < count:
+            raise DistributedError(f"{PROCESS_ID_ENV} = {index}: expected 0..{count - 1} ({NUM_PROCESSES_ENV} = "
+                                   f"{count}); give each process a distinct id")
+        return cls(address, count, index)
 
 
     @classmethod
@@ -135,7 +149,8 @@ def initialize(group: ProcessGroup | None = None, *, cpu_devices: int | None = N
     computation. `cpu_devices` sets the number of local CPU devices (virtual ones for local runs);
     CPU collectives go through gloo. A single-process group only applies `cpu_devices`.
     `lost_after_s` (default `BDLM_LOST_AFTER_S`, else 60): how long a silent process is waited for
-    before the others stop (see the module docstring).
+    before the others stop (see the module docstring). `timeout_s` (or `BDLM_JOIN_TIMEOUT_S`): how
+    long every process waits for the others to start.
 
     Example:
         ```py
@@ -147,6 +162,10 @@ def initialize(group: ProcessGroup | None = None, *, cpu_devices: int | None = N
         ```
     """
     group = ProcessGroup.from_env() if group is None else group
+    if os.environ.get(JOIN_TIMEOUT_ENV):
+        timeout_s = _int(os.environ, JOIN_TIMEOUT_ENV)
+        if timeout_s < 1:
+            raise DistributedError(f"{JOIN_TIMEOUT_ENV} = {timeout_s}: expected seconds, >= 1")
     if not 0 <= group.process_id < group.num_processes:
         raise DistributedError(f"process_id {group.process_id} is outside 0..{group.num_processes - 1}; "
                                f"give each process a distinct id below num_processes")
@@ -191,6 +210,9 @@ def _connect(group: ProcessGroup, *, init_timeout: int, heartbeat_timeout: int) 
     state = distributed.global_state
     state.coordinator_address, state.process_id, state.num_processes = (group.coordinator_address, group.process_id,
                                                                         group.num_processes)
+    sys.stderr.write(f"bdlm: process {group.process_id} joins the {group.num_processes}-process group at "
+                     f"{group.coordinator_address}, waiting up to {init_timeout} s for every process to start "
+                     f"({JOIN_TIMEOUT_ENV})\n")
     client = _jax.get_distributed_runtime_client(group.coordinator_address, group.process_id,
                                                  init_timeout=init_timeout, use_compression=True,
                                                  heartbeat_timeout=heartbeat_timeout)
@@ -222,7 +244,8 @@ def _lost_after(value: float | None) -> float:
         except ValueError:
             raise DistributedError(f"{LOST_AFTER_ENV}: expected seconds, got {raw!r}") from None
     if not value >= 2:
-        raise DistributedError(f"lost_after_s = {value}: a process must be allowed at least 2 s of silence")
+        name = LOST_AFTER_ENV if os.environ.get(LOST_AFTER_ENV) else "lost_after_s"
+        raise DistributedError(f"{name} = {value:g}: a process must be allowed at least 2 s of silence")
     return float(value)
 
 
@@ -308,3 +331,32 @@ def shutdown() -> None:
     if _SERVICE is not None:  # after every client's shutdown barrier: nobody needs the service now
         _SERVICE.stop()
         _SERVICE = None
+
+
+def check_shared_folder(folder: str | os.PathLike, what: str) -> None:
+    """Every process of the group must see the one `folder` (its checkpoints are written by all
+    of them together): process 0 leaves a token there and every process reads it back, or every
+    process refuses, naming those that do not see it (a per-host disk, another run id). One
+    process: nothing to check."""
+    if jax.process_count() == 1:
+        return
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    marker = os.path.join(os.fspath(folder), ".process-group")
+    token = np.frombuffer(os.urandom(8), np.int64) if jax.process_index() == 0 else np.zeros(1, np.int64)
+    token = multihost_utils.broadcast_one_to_all(token)
+    if jax.process_index() == 0:
+        with open(marker, "w") as file:
+            file.write(str(int(token[0])))
+    multihost_utils.sync_global_devices("bdlm-shared-folder-written")
+    try:
+        with open(marker) as file:
+            seen = file.read().strip() == str(int(token[0]))
+    except OSError:
+        seen = False
+    blind = [i for i, ok in enumerate(multihost_utils.process_allgather(np.int32(seen))) if not ok]
+    if blind:
+        raise DistributedError(f"{what}: process(es) {blind} do not see the folder {os.fspath(folder)!r} that process "
+                               f"0 writes: every process of a group must write one folder (shared storage: NFS, a "
+                               f"mounted bucket, the node's shared disk), and run with the same --run-id")

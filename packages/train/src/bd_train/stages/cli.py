@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(config: dict, until: str, run_id: str) -> int:
+    from .._distributed import check_shared_folder
     from ..distributed import DistributedError, ProcessGroup, initialize, shutdown
 
     mesh = pipeline_config(config).mesh
@@ -114,7 +115,9 @@ def _run(config: dict, until: str, run_id: str) -> int:
         print(f"bdlm: {err}", file=sys.stderr)
         return 2
     try:
-        run_chain(config, RunDir.create(config, run_id=run_id), until=until)
+        where = RunDir.create(config, run_id=run_id)
+        check_shared_folder(where.run_dir, "run.output_dir")
+        run_chain(config, where, until=until)
     except (StageError, ConfigError, DistributedError) as err:  # e.g. SIGTERM: the group stops at one saved step
         print(f"bdlm: {err}", file=sys.stderr)
         shutdown()  # leave the group together, before process 0's coordination service goes
