@@ -64,8 +64,8 @@ class TopologyError(ValueError):
 
 
 LIBTPU_HINT = ("bd_train.plan compiles for TPU with libtpu, which is not installed in this environment: run "
-               "`make plan-env` (a separate venv .plan/ with jax[tpu]) and `make plan PRESET=... TOPOLOGY=...`, or "
-               "`pip install 'bd-train[tpu]'`")
+               "`make plan-env` (a separate venv .plan/ with jax[tpu]; the training venv stays without it) and "
+               "`make plan PRESET=... TOPOLOGY=...`, or `.plan/bin/python -m bd_train.plan ...`")
 
 
 def libtpu_available() -> bool:
