@@ -327,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     """The command line: `python -m bd_train.plan PRESET --topology ...`; returns the exit code."""
     # Programs compiled for a slice that is not here are never run here: no persistent cache.
     jax.config.update("jax_enable_compilation_cache", False)
-    parser = argparse.ArgumentParser(prog="python -m bd_train.plan", description=" ".join((__doc__ or "").split("\n\n")[0].split()),
+    summary = " ".join((__doc__ or "").split("\n\n")[0].split())  # the docstring's first paragraph
+    parser = argparse.ArgumentParser(prog="python -m bd_train.plan", description=summary,
                                      epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("preset", help="a preset TOML (flows/configs/<name>.toml)")
     parser.add_argument("--topology", required=True, help="e.g. v5e:2x4, v5p:2x2x2, v6e:4x4")
