@@ -61,7 +61,7 @@ from ._plan_report import (
     format_plan,
     rollout_cost,
 )
-from ._plan_shapes import shapes_run
+from ._plan_run import shapes_run
 from ._tpu import GiB, Topology, TopologyError, topology
 
 __all__ = ["LargestBatch", "Plan", "ProgramPlan", "StagePlan", "compile_program", "format_largest", "format_plan",

@@ -6,7 +6,8 @@ and the models a stage starts from.
 from __future__ import annotations
 
 import dataclasses
-import os
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,6 @@ from bd_models import (
     MeshError,
     ModelConfig,
     PretrainedError,
-    SamplerConfig,
     add_lora,
     check_divisibility,
     check_pretrained,
@@ -29,22 +29,19 @@ from bd_models import (
     init_sharded,
     make_mesh,
     merge,
-    model_config_from_hf,
     param_partition_specs,
-    read_hf_config,
     weights_digest,
 )
 
-from .._checkpoint import CheckpointError
+from .._checkpoint import Checkpointer, CheckpointError
 from .._fingerprints import model_identity, rollout_semantics
-from .._optim import OptimizerConfig
 from .._trainer import TrainState
 from ._config import pipeline_config
 from ._config_io import to_dict
 from ._errors import StageError as StageError
+from ._run_configs import RunConfigs
 from ._run_data import RunData, stream
-from ._stage_checkpoints import adapted_checkpoint_digest, committed, open_checkpoints
-from ._stage_sections import OptimSection, SamplerSection
+from ._stage_sections import SamplerSection
 
 ROLES = ("teacher", "student")
 ADAPTER_STREAMS = 100  # a stage's fresh LoRA adapters draw from stream 100 + its index
@@ -82,11 +79,11 @@ class RunDir:
         return Path(self.run_dir).parent.parent
 
 
-class Run(RunData):
+class Run(RunData, RunConfigs):
     """A pipeline run as one stage sees it: config, folders, and everything built from the config:
-    its data, random streams and rewards (`RunData`), and its model, sampler and optimizer configs,
-    identities, meshes and models. Without `where` it builds the configs and models only (nothing
-    is written). `tokenizer` stands in for the configured one (anything with `vocab_size`,
+    its data, random streams and rewards (`RunData`), its model, sampler and optimizer configs
+    (`RunConfigs`), and its identities, meshes and models. Without `where` it builds the configs
+    and models only (nothing is written). `tokenizer` stands in for the configured one (anything with `vocab_size`,
     `mask_id`, `pad_id`, `eos_id`: an ahead-of-time plan of a checkpoint whose tokenizer file is
     not at hand)."""
 
@@ -100,55 +97,6 @@ class Run(RunData):
         if self._where is None:
             raise StageError("this Run was made without a RunDir: pass one to write checkpoints and logs")
         return self._where
-
-    def enable_compilation_cache(self) -> None:
-        """A persistent JAX cache: Metaflow steps are separate processes compiling the same programs.
-        It is `<output_dir>/jax_cache`, keeping programs that took 0.5 s or more to compile, unless
-        the environment says otherwise in JAX's own variables (`JAX_COMPILATION_CACHE_DIR`, e.g. a
-        cache every job of a cluster shares; `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`)."""
-        if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-            cache = self.where.outputs / "jax_cache"
-            cache.mkdir(parents=True, exist_ok=True)
-            jax.config.update("jax_compilation_cache_dir", str(cache))
-        if not os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-    # -- configs -------------------------------------------------------------------------------------
-
-    def model_config(self, role: str) -> ModelConfig:
-        """The `ModelConfig` of `role`: the preset's sizes with the tokenizer's vocab and the canvas's block, or a
-        pretrained checkpoint's architecture."""
-        section = getattr(self.config, role)
-        if section.pretrained:
-            return model_config_from_hf(**self._pretrained_kwargs(role))
-        return ModelConfig(vocab_size=self.tokenizer.vocab_size, block_size=self.config.canvas.block_size,
-                           **section.model_kwargs())
-
-    def _pretrained_kwargs(self, role: str) -> dict[str, Any]:
-        """How a pretrained role's checkpoint is read: the canvas's block size, the vocabulary grown
-        to the tokenizer's (an added mask token), the section's dtypes and execution fields."""
-        section = getattr(self.config, role)
-        raw = read_hf_config(section.folder)
-        kwargs = section.model_kwargs()
-        return dict(raw=raw, where=str(Path(section.folder) / "config.json"),
-                    block_size=self.config.canvas.block_size,
-                    vocab_size=max(int(raw.get("vocab_size", 0)), self.tokenizer.vocab_size),
-                    **{k: kwargs[k] for k in ("param_dtype", "compute_dtype", "attention", "remat", "logits_chunk")},
-                    **section.tiles())
-
-    def sampler_config(self, section: SamplerSection) -> SamplerConfig:
-        """The `SamplerConfig` of a `[... sampler]` table, with the canvas's lengths and the tokenizer's ids."""
-        tok = self.tokenizer
-        return section.sampler_config(self.config.canvas, mask_id=tok.mask_id, pad_id=tok.pad_id,
-                                      stop_ids=(tok.eos_id,))
-
-    @staticmethod
-    def optimizer_config(section: OptimSection, steps: int) -> OptimizerConfig:
-        """The `OptimizerConfig` of an `[... optim]` table for a stage of `steps` steps."""
-        schedule = section.schedule if steps > section.warmup_steps else "constant"
-        return OptimizerConfig(learning_rate=section.lr, schedule=schedule, warmup_steps=section.warmup_steps,
-                               total_steps=steps if schedule != "constant" else None, b2=section.b2, eps=section.eps,
-                               weight_decay=section.weight_decay, max_grad_norm=section.clip_norm)
 
     # -- fingerprints --------------------------------------------------------------------------------
 
@@ -360,3 +308,51 @@ class Run(RunData):
                              f"was {pinned.fields['base_digest'][:12]}, but that base now reads {digest[:12]}: "
                              f"adapters.base_digest differs. Restore the base it was trained on, or rerun the stage")
         return add_lora(base, LoRAConfig.from_dict(pinned.fields["lora"]), key=jax.random.key(0))
+
+
+def adapted_checkpoint_digest(directory: str | Path) -> str | None:
+    """For a LoRA stage's checkpoint (adapters on a base it pins), a digest of what it holds: the
+    content digests its latest step recorded for the adapters, and its own base's pin, so a chain
+    of LoRA stages is pinned link by link by content. Merged, its model's bits depend on the
+    mesh and backend that merged it, so they cannot pin it. None for any other checkpoint (its
+    restored weights are the same bits on any layout: `weights_digest` pins them)."""
+    checkpoints = open_checkpoints(directory, create=False)
+    try:
+        meta = checkpoints.read_meta()
+    except CheckpointError as err:
+        raise StageError(str(err)) from None
+    finally:
+        checkpoints.close()
+    adapters = (meta.get("fingerprints") or {}).get("adapters")
+    if adapters is None:
+        return None
+    model = {path: shards for path, shards in sorted((meta.get("digests") or {}).items()) if path.startswith("model/")}
+    record = {"step": int(meta["step"]), "model": model, "adapters": adapters}
+    return "saved:" + hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def open_checkpoints(directory: str | Path, *, create: bool, max_to_keep: int | None = 2,
+                     async_save: bool = False) -> Checkpointer:
+    """A stage's checkpoint folder; without `create` one that must hold a stage's checkpoints, refused
+    in the preset's terms (a missing folder, one step's folder given for the stage's)."""
+    folder = Path(directory)
+    if not create and not folder.is_dir():
+        raise StageError(f"checkpoint folder {str(folder)!r} does not exist; give a stage's checkpoint folder "
+                         f"(<output_dir>/pipeline/<run-id>/checkpoints/<stage>)")
+    if not create and folder.name.isdigit() and (folder / "meta").is_dir():
+        raise StageError(f"{str(folder)!r} is one step of the checkpoint folder {str(folder.parent)!r}; give that "
+                         f"folder (its latest complete step is used)")
+    try:
+        return Checkpointer(directory, max_to_keep=max_to_keep, create=create, async_save=async_save)
+    except CheckpointError as err:
+        raise StageError(str(err)) from None
+
+
+def committed(tree: Any) -> Any:
+    """`tree`'s arrays committed to the default device, as a restored checkpoint's are. A program
+    compiled for committed arguments differs from one for uncommitted arguments (it carries their
+    shardings), so a stage that starts from fresh or imported weights would otherwise compile its
+    sampler and evaluation anew for the next stage, which starts from the saved checkpoint (and
+    miss JAX's persistent compilation cache)."""
+    device = jax.local_devices()[0]
+    return jax.tree.map(lambda x: jax.device_put(x, device) if isinstance(x, jax.Array) else x, tree)
