@@ -6,6 +6,7 @@ so does every process when the stage's update loop stops making progress (`Stall
 
 from ._distributed import COORDINATOR_ENV as COORDINATOR_ENV
 from ._distributed import EXIT_LOST as EXIT_LOST
+from ._distributed import JOIN_TIMEOUT_ENV as JOIN_TIMEOUT_ENV
 from ._distributed import LOST_AFTER_ENV as LOST_AFTER_ENV
 from ._distributed import NUM_PROCESSES_ENV as NUM_PROCESSES_ENV
 from ._distributed import PROCESS_ID_ENV as PROCESS_ID_ENV
