@@ -79,15 +79,13 @@ def _drop_compiled_programs():
 # (`--no-loadscope-reorder`; its default orders by test count, which left single-test chains of
 # minutes for the end, with one worker idle). Longest first keeps both workers busy to the end.
 SLOW_FILES = {
-    "tests/test_group.py": 468, "packages/train/tests/test_plan.py": 218, "tests/test_stages_mesh.py": 182,
-    "tests/test_pipeline.py": 170, "packages/train/tests/test_logits_chunks.py": 92,
-    "packages/train/tests/test_distributed.py": 90, "tests/test_guides.py": 80,
-    "packages/train/tests/test_trainer.py": 72, "packages/train/tests/test_driver.py": 64,
-    "packages/train/tests/test_checkpoint.py": 40,
-    "packages/train/tests/test_async_save.py": 25, "packages/models/tests/test_sampler.py": 61,
-    "tests/test_sigkill.py": 55, "packages/train/tests/test_learning.py": 54, "packages/train/tests/test_guard.py": 53,
-    "tests/test_recipe.py": 52, "packages/models/tests/test_sharding.py": 51,
-    "packages/train/tests/test_streaming.py": 44,
+    "tests/test_group.py": 450, "packages/train/tests/test_plan.py": 215, "tests/test_stages_mesh.py": 168,
+    "tests/test_pipeline.py": 156, "packages/train/tests/test_distributed.py": 97,
+    "packages/train/tests/test_logits_chunks.py": 88, "tests/test_guides.py": 80,
+    "packages/train/tests/test_trainer.py": 78, "packages/train/tests/test_driver.py": 62,
+    "packages/models/tests/test_sampler.py": 57, "tests/test_recipe.py": 54, "packages/train/tests/test_guard.py": 54,
+    "tests/test_sigkill.py": 52, "packages/train/tests/test_learning.py": 50,
+    "packages/models/tests/test_sharding.py": 42,
 }
 
 
