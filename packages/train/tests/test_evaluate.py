@@ -54,6 +54,13 @@ def test_the_same_checkpoint_gives_the_same_numbers(checkpoint):
         "τ 0.5", "τ 0.9", "one per step"]
     one_per_step = first["accuracy_vs_nfe"][-1]
     assert one_per_step["nfe_per_token"] >= max(p["nfe_per_token"] for p in first["accuracy_vs_nfe"][:-1])
+    # --samples 0, as [eval] samples = 0: greedy decoding only, no pass@k (the command refused 0)
+    from bd_train.evaluate import format_report
+
+    greedy = evaluate(checkpoint, samples=0, n=8, thresholds=())
+    assert greedy["pass_at_k"] == {} and greedy["greedy"] == first["greedy"]
+    assert set(greedy["intervals"]) == {"accuracy"}
+    assert "no sampled rollouts (--samples 0): no pass@k" in format_report(greedy)
 
 
 def test_the_command_writes_json_and_a_plot_and_refuses_a_bad_folder_in_one_line(checkpoint, tmp_path,
@@ -82,6 +89,11 @@ def test_an_output_path_that_cannot_hold_the_results_is_refused_before_the_work(
                          (tmp_path, "is a folder; give a file path in it")):
         with pytest.raises(SystemExit) as exit_:
             evaluate(["--checkpoint", str(tmp_path), "--out", str(out)])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    for flags, message in ((["--samples", "-1"], "--samples must be at least 0"),
+                           (["--samples", "0", "--best-of", "vote"], "--best-of chooses among the --samples rollouts")):
+        with pytest.raises(SystemExit) as exit_:
+            evaluate(["--checkpoint", str(tmp_path), *flags])
         assert exit_.value.code == 2 and message in capsys.readouterr().err
     for out, message in ((tmp_path / "nope" / "plan.json", "does not exist; create it first"),
                          (tmp_path, "is a folder; give a file path in it")):

@@ -6,7 +6,7 @@
 
 Reports greedy accuracy and mean reward, NFE per generated token, generated tokens per second
 (timed after compilation), pass@k with the unbiased estimator (K samples per problem at the
-rollout temperature, `[grpo] sampler`), best-of-K over those samples chosen without the reference
+rollout temperature, `[grpo] sampler`; `--samples 0`: none), best-of-K over those samples chosen without the reference
 answer (`--best-of`: by the model's summed log-probs, or by majority vote; with the NFE of a
 problem's K samples), and accuracy against NFE over decoding thresholds
 (τ ∈ {0.5, 0.7, 0.9, 0.95} and one token per step) as a table, JSON and a plot. Greedy accuracy
@@ -196,7 +196,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"greedy: accuracy {greedy['accuracy']:.3f} {bounds('accuracy')} (Wilson 95%), mean reward "
              f"{greedy['mean_reward']:.3f}, NFE/token {greedy['nfe_per_token']:.3f}",
              "  ".join(f"{k} {v:.3f} {bounds(k)}" for k, v in report["pass_at_k"].items())
-             + f"  ({report['samples_per_problem']} samples per problem; bootstrap 95% over problems)",
+             + f"  ({report['samples_per_problem']} samples per problem; bootstrap 95% over problems)"
+             if report["pass_at_k"] else "no sampled rollouts (--samples 0): no pass@k",
              *(f"best-of-{b['n']} by {b['rule']}: accuracy {b['accuracy']:.3f} (pass@{b['n']} {b['pass_at_n']:.3f}), "
                f"{b['nfe_per_problem']:.1f} NFE per problem" for b in report.get("best_of", ())),
              f"{'decoding':<14} {'accuracy':>9} {'NFE/token':>10} {'tokens/s':>10}"]
@@ -213,14 +214,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="a stage's checkpoint folder (its latest step is used), or a Hugging Face folder")
     parser.add_argument("--config", help="a preset TOML with task, canvas and tokenizer (for a Hugging Face folder)")
     parser.add_argument("--task", help="evaluate on this built-in task instead of the checkpoint's own")
-    parser.add_argument("--samples", type=int, default=4, help="samples per problem for pass@k (default 4)")
+    parser.add_argument("--samples", type=int, default=4,
+                        help="samples per problem for pass@k (default 4; 0: greedy decoding and the curve only)")
     parser.add_argument("--best-of", nargs="+", default=[], choices=("logprob", "vote"),
                         help="also best-of-K over the K samples, chosen by the model's summed log-probs or by vote")
     parser.add_argument("--n", type=int, help="held-out problems (default: the checkpoint's [eval] n)")
     parser.add_argument("--out", help="write the results as JSON here, and the accuracy-vs-NFE plot beside it")
     args = parser.parse_args(argv)
-    if args.samples < 1 or (args.n is not None and args.n < 1):
-        parser.error("--samples and --n must be at least 1")
+    if args.samples < 0 or (args.n is not None and args.n < 1):
+        parser.error("--samples must be at least 0 (0: no sampling, as [eval] samples = 0) and --n at least 1")
+    if args.best_of and not args.samples:
+        parser.error("--best-of chooses among the --samples rollouts: give --samples 1 or more")
     if args.out:  # checked now: the results come after the whole evaluation
         out = Path(args.out)
         if out.with_suffix(".png") == out:
