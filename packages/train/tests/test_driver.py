@@ -42,8 +42,9 @@ def run(tmp_path, monkeypatch):
     return _run(tmp_path)
 
 
-def _drive(run: Run, *, stop_at: int | None = None, fail_after: int | None = None):
-    """The student's SFT through `drive`; sends itself SIGTERM during update `stop_at`."""
+def _drive(run: Run, *, stop_at: int | None = None, fail_after: int | None = None, nan_at: tuple[int, ...] = ()):
+    """The student's SFT through `drive`; sends itself SIGTERM during update `stop_at`, and feeds
+    the updates `nan_at` a batch of NaN weights (skipped: nothing changes)."""
     optimizer = run.optimizer_config(run.config.sft.optim, TOTAL)
     trainer = Trainer(sft_objective, make_optimizer(optimizer))
     keys = run.keys("sft-student", "init", "eval")
@@ -53,7 +54,10 @@ def _drive(run: Run, *, stop_at: int | None = None, fail_after: int | None = Non
     def step_fn(state, step):
         if step == stop_at:
             os.kill(os.getpid(), signal.SIGTERM)
-        return trainer.step(state, next(data))
+        batch = next(data)
+        if step in nan_at:
+            batch = dataclasses.replace(batch, weights=jnp.full_like(batch.weights, jnp.nan))
+        return trainer.step(state, batch)
 
     pinned = {"identity": run.identity("student"), "training": run.training("sft-student")}
     spec = StageSpec("sft-student", "student", "SFT", TOTAL, pinned,
@@ -98,22 +102,8 @@ def test_skipped_updates_are_counted_and_the_rate_logged_is_the_one_used(run):
     advance it. The logged rate was the schedule at the step count, one ahead per skip, and
     GRPO's several updates per step counted a skip by its last update only; both now read the
     optimizer's own count."""
-    optimizer = run.optimizer_config(run.config.sft.optim, TOTAL)
-    trainer = Trainer(sft_objective, make_optimizer(optimizer))
-    keys = run.keys("sft-student", "init", "eval")
-    state = run.fresh_state(run.model_config("student"), trainer.optimizer, key=keys["init"])
-    data = run.sft_batches("sft-student")
-
-    def step_fn(state, step):
-        batch = next(data)
-        if step in (2, 3):  # updates 2 and 3 see a NaN: skipped, nothing changes
-            batch = dataclasses.replace(batch, weights=jnp.full_like(batch.weights, jnp.nan))
-        return trainer.step(state, batch)
-
-    schedule = optimizer.learning_rate_schedule()
-    spec = StageSpec("sft-student", "student", "SFT", TOTAL, {"identity": run.identity("student")}, schedule,
-                     ("loss",), keys["eval"])
-    history = drive(run, spec, state, step_fn, data).history
+    schedule = run.optimizer_config(run.config.sft.optim, TOTAL).learning_rate_schedule()
+    history = _drive(run, nan_at=(2, 3)).history  # updates 2 and 3 see a NaN: skipped
     skips = {row["step"]: row["skipped_total"] for row in history}
     assert skips[1] == 0 and skips[3] == 1 and skips[4] == 2 and skips[TOTAL] == 2
     applied = [row["step"] - row["skipped_total"] for row in history]

@@ -19,6 +19,7 @@ from ._flops import attention_entries as attention_entries
 from ._flops import model_flops as model_flops
 from ._hf_config import ARCHITECTURES as ARCHITECTURES
 from ._hf_config import PretrainedError as PretrainedError
+from ._hf_config import hf_block_size as hf_block_size
 from ._hf_config import model_config_from_hf as model_config_from_hf
 from ._hf_export import save_pretrained as save_pretrained
 from ._hf_io import check_pretrained as check_pretrained

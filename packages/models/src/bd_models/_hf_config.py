@@ -34,6 +34,12 @@ _HF_ACTIVATION = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tan
 _BLOCK_KEYS = ("block_size", "bd_size")
 
 
+def hf_block_size(raw: Mapping[str, Any]) -> int | None:
+    """The block size a checkpoint's config.json (as a dict) was trained with: SDAR's `block_size`,
+    else Fast-dLLM v2's `bd_size`; None for an autoregressive checkpoint, which has neither."""
+    return next((raw[key] for key in _BLOCK_KEYS if key in raw), None)
+
+
 class PretrainedError(ConfigError):
     """A checkpoint folder, config or tensor file that bdlm cannot read as asked."""
 
@@ -86,7 +92,7 @@ def model_config_from_hf(raw: Mapping[str, Any], *, where: str = "config.json", 
     act = raw.get("hidden_act", "silu")
     if act not in _ACTIVATIONS:
         raise PretrainedError(f"{where}: hidden_act {act!r} is not supported; bdlm runs {sorted(_ACTIVATIONS)}")
-    block = block_size if block_size is not None else next((raw[k] for k in _BLOCK_KEYS if k in raw), None)
+    block = block_size if block_size is not None else hf_block_size(raw)
     if block is None:
         raise PretrainedError(f"{where}: no block size (neither {' nor '.join(_BLOCK_KEYS)}); an autoregressive "
                               f"checkpoint needs one chosen: pass block_size= (e.g. 4, as SDAR uses)")

@@ -100,8 +100,8 @@ def adoption(role: str, directory: str | Path, meta: dict[str, Any] | None = Non
 TASK_PROBLEMS_CHECKED = 512  # a built-in task's training problems fitted to the canvas before training
 
 
-def check_task_fits(run: Run, split: str, count: int) -> None:
-    """The split's first `count` problems of the built-in task fit the canvas: the prompt, as the
+def check_task_fits(run: Run, split: str, count: int | None) -> None:
+    """The split's first `count` problems (None: all) of the built-in task fit the canvas: the prompt, as the
     chat template renders it if there is one, and for the training split (which SFT trains on) the
     answer plus the end-of-text token; or a `StageError` naming the first that does not, its sizes
     and the `[canvas]` key to raise (`CanvasTooSmall`). Held-out problems are only ever prompts on the canvas."""
@@ -110,7 +110,7 @@ def check_task_fits(run: Run, split: str, count: int) -> None:
     markup = " with the chat template's markup" if run.chat_template is not None else ""
     where = getattr(run.task, "where", None)  # a task read from a file (math) names the line
     smaller = "shorten or remove that problem" if where is not None else "choose smaller [task] params"
-    for index in range(min(count, len(source))):
+    for index in range(len(source) if count is None else min(count, len(source))):
         example = source[index]
         prompt, answer = example.token_ids(run.tokenizer)
         problem = f"{split} problem {index} of task {run.config.task.name!r}"
@@ -158,7 +158,7 @@ def check_adopted(config: Any) -> None:
         else:  # a built-in task: its first training problems and every held-out one, fitted to the canvas now
             every = bool(getattr(run.task, "file_params", ()))  # a file's problems: all of them, now
             for split, count in (("train", TASK_PROBLEMS_CHECKED), ("eval", run.config.eval.n)):
-                check_task_fits(run, split, len(run.source(split)) if every else count)
+                check_task_fits(run, split, None if every else count)
     except (TokenizerError, ConfigError, JsonlError, CanvasOverflow) as err:
         raise StageError(str(err)) from None
     except ChatTemplateError as err:

@@ -266,15 +266,13 @@ def pretrained_block_size(config: PipelineConfig) -> tuple[str, int] | None:
     """(role, block size) of the student's pretrained checkpoint, else the teacher's, where its
     config.json names one (`block_size`, SDAR's; `bd_size`, Fast-dLLM v2's); None for none (an
     autoregressive checkpoint, or no pretrained one), where the canvas's block size is the choice."""
-    from bd_models import read_hf_config
+    from bd_models import hf_block_size, read_hf_config
 
     for role in ("student", "teacher"):
         folder = getattr(config, role).folder
-        if folder:
-            raw = read_hf_config(folder)
-            for key in ("block_size", "bd_size"):  # bd_models reads them in this order
-                if isinstance(raw.get(key), int) and raw[key] > 0:
-                    return role, raw[key]
+        block = hf_block_size(read_hf_config(folder)) if folder else None
+        if block is not None:
+            return role, block
     return None
 
 
