@@ -87,9 +87,13 @@ class Fault:
     env: tuple[tuple[str, str], ...] = ()
 
 
-def _inside_sft_teacher(case: Path) -> bool:  # a periodic save of the teacher's SFT, not its last
+def _inside_sft_teacher(case: Path) -> bool:
+    """The teacher's SFT has saved its first periodic step, two saves (checkpoint_every = 2) before
+    its last: a kill there may race the next save's commit, never the last one's, so the stall
+    fault that follows (`STALL`, the update after step 5) still finds that update ahead. A kill
+    seen at step 4 once landed after step 6 committed, and every later fault then missed."""
     steps = _h._steps(case, "sft-teacher")
-    return bool(steps) and steps[-1] < _last_step("sft-teacher")
+    return bool(steps) and steps[-1] < _last_step("sft-teacher") - 2
 
 
 def _stalled(case: Path) -> bool:
