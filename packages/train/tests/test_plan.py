@@ -262,6 +262,22 @@ def test_a_batch_the_slice_cannot_split_is_planned_with_fewer_microbatches(tmp_p
     assert {name for name, p in programs.items() if p["flops"] is not None} == costed
 
 
+def test_the_mesh_given_replaces_the_presets_in_its_row_checks(tmp_path):
+    """A preset made for fsdp 4 (SFT's 2 rows per microbatch do not split over it) planned for one
+    chip with `--mesh fsdp=1`: its rows are checked against the mesh planned, in the plan and in
+    every remedy (they were checked against the preset's `[mesh]`, which refused the plan, and
+    every microbatch remedy, by the preset's 4 devices)."""
+    preset = tmp_path / "four.toml"
+    preset.write_text(SMOKE.read_text().replace("[sft]\nsteps = 6\nbatch_size = 16", "[sft]\nsteps = 6\nbatch_size = 4\n"
+                                                "microbatches = 2")
+                      + "\n[mesh]\nfsdp = 4\n")
+    done, plan = _plan(tmp_path, preset, "--topology", "v5e:1x1", "--mesh", "fsdp=1", "--stage", "sft",
+                       "--no-remedies", "--cost", "none")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert plan["mesh"] == {"data": 1, "fsdp": 1, "model": 1} and all(s["fits"] for s in plan["stages"])
+    assert "devices must divide" not in done.stderr
+
+
 def test_largest_batch_doubles_the_configured_batch_while_the_stage_fits(tmp_path):
     """`--largest-batch 1`: GRPO's prompts per step doubled (every program of the stage compiled for
     memory at each size) while the stage fits, up to 2^1 times the configured one; the smoke

@@ -183,7 +183,7 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
     """
     from .stages._config import parse_pipeline_config, pipeline_config
 
-    data = _with_attention(data, attention)
+    data = _with_mesh(_with_attention(data, attention), mesh)
 
     topo = topology(topology_name, num_slices=num_slices)
     config = pipeline_config(parse_pipeline_config(data))
@@ -240,6 +240,12 @@ def stage_lowered(data: dict, stage: str, mesh: jax.sharding.Mesh, *, cost: str 
                               approx_cost=approx_cost, streamed=streamed)
 
 
+def _with_mesh(data: dict, mesh: dict[str, int] | None) -> dict:
+    """The preset with `--mesh` as its `[mesh]`, so that its checks of rows per data-parallel chip,
+    and every remedy's, hold against the mesh planned rather than the preset's own."""
+    return data if mesh is None else {**data, "mesh": {**data.get("mesh", {}), **mesh}}
+
+
 def _with_attention(data: dict, attention: str | None) -> dict:
     if attention is None:
         return data
@@ -261,6 +267,7 @@ def largest_batch(data: dict, stage: str, topology_name: str, *, mesh: dict[str,
     `plan` takes it): with the memo, only the unrolled twins compile again."""
     from .stages._config import parse_pipeline_config, pipeline_config
 
+    data = _with_mesh(data, mesh)
     topo = topology(topology_name, num_slices=num_slices)
     config = pipeline_config(parse_pipeline_config(data))
     mesh_shape = mesh or {"data": config.mesh.data, "fsdp": config.mesh.fsdp, "model": config.mesh.model}
