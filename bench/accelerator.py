@@ -13,6 +13,11 @@ Pallas (Triton) attention kernels against XLA's blocked kernel.
 Writes bench/results/accelerator.json and the BENCHMARKS.md section, naming the device.
 `--size small` runs a small config on any backend (Pallas in interpret mode on CPU): what the test
 in tests/test_accelerator_bench.py runs, so the script stays runnable without a GPU.
+
+On a TPU (`python bench/accelerator.py --size sdar --attention-only`) the fused kernel is `splash`
+(JAX's splash kernels with the block-diffusion mask) instead of the Triton one, at SDAR-1.7B's
+attention shapes (16 query and 8 kv heads of 128, tiles of 128); the section is `accelerator_tpu`.
+SDAR-1.7B's train steps on one chip are measured by `bench/plan_vs_device.py`.
 """
 
 from __future__ import annotations
@@ -35,7 +40,16 @@ SIZES = {
                        block_size=4, compute_dtype="bfloat16", param_dtype="float32"), 8, 1024, 8192),
     "small": (ModelConfig(vocab_size=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, block_size=4,
                           compute_dtype="bfloat16", param_dtype="float32", q_tile=16, k_tile=16), 2, 32, 256),
+    "sdar": (ModelConfig(vocab_size=151_936, d_model=2048, n_layers=28, n_heads=16, n_kv_heads=8, d_ff=6144,
+                         block_size=4, compute_dtype="bfloat16", param_dtype="bfloat16", q_tile=128, k_tile=128),
+             8, 256, 8192),
 }  # config, batch, canvas (T = 2 x canvas), matmul size for the peak
+
+
+def fused_kernel() -> str:
+    """The backend's fused attention kernel: JAX's splash kernels on a TPU, bdlm's Pallas (Triton)
+    kernels elsewhere (in interpret mode on a CPU)."""
+    return "splash" if jax.default_backend() == "tpu" else "pallas"
 
 
 def bf16_peak(n: int, runs: int = 10) -> float:
@@ -72,34 +86,40 @@ def attention_kernels(config: ModelConfig, batch: int, canvas: int, steps: int) 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
     # The reference: dense attention in float32 on the same (rounded) inputs.
-    reference = jax.block_until_ready(grads_of("dense", jnp.float32)(q, k, v))
+    with jax.default_matmul_precision("highest"):  # a TPU's default passes float32 products through bfloat16
+        reference = jax.block_until_ready(grads_of("dense", jnp.float32)(q, k, v))
     outputs, results = {}, {}
-    for impl in ("dense", "blocked", "pallas"):
+    kernels = ("dense", "blocked", fused_kernel())
+    for impl in kernels:
         results[f"attention_{impl}_s"], outputs[impl] = timed(functools.partial(grads_of(impl), q, k, v), runs=steps)
+        print(f"attention {impl}: {results[f'attention_{impl}_s'] * 1e3:.2f} ms", flush=True)
     value_d, grads_d = reference
-    for impl in ("dense", "blocked", "pallas"):
+    for impl in kernels:
         value, grads = outputs[impl]
         errors = [abs(float(value) - float(value_d)) / max(abs(float(value_d)), 1e-30)]
         for got, want in zip(grads, grads_d, strict=True):
             want32 = want.astype(jnp.float32)
             errors.append(float(jnp.max(jnp.abs(got.astype(jnp.float32) - want32)) / jnp.max(jnp.abs(want32))))
         results[f"attention_{impl}_max_rel_error"] = max(errors)
-    results["pallas_speedup_vs_blocked"] = results["attention_blocked_s"] / results["attention_pallas_s"]
+    fused = kernels[-1]
+    results[f"{fused}_speedup_vs_blocked"] = results["attention_blocked_s"] / results[f"attention_{fused}_s"]
     return results
 
 
-def measure(size: str, steps: int) -> dict[str, float | str]:
+def measure(size: str, steps: int, *, attention_only: bool = False) -> dict[str, float | str]:
     config, batch, canvas, peak_n = SIZES[size]
     device = jax.devices()[0]
     results: dict[str, float | str] = {"device": f"{device.platform}: {device.device_kind}", "size": size,
                                        "batch": batch, "canvas": canvas, "machine": machine(), "jax": jax.__version__}
     peak = bf16_peak(peak_n)
     results["bf16_peak_tflops"] = peak / 1e12
-    flops = model_flops(config, sft_batch(config, batch, canvas)[0])["train_step"]
-    results["step_tflop"] = flops / 1e12
-    for impl in ("pallas", "blocked"):
-        seconds = step_seconds(config.replace(attention=impl), batch, canvas, steps)
-        results[f"step_{impl}_s"], results[f"mfu_{impl}"] = seconds, flops / seconds / peak
+    results["fused"] = fused_kernel()
+    if not attention_only:
+        flops = model_flops(config, sft_batch(config, batch, canvas)[0])["train_step"]
+        results["step_tflop"] = flops / 1e12
+        for impl in (fused_kernel(), "blocked"):
+            seconds = step_seconds(config.replace(attention=impl), batch, canvas, steps)
+            results[f"step_{impl}_s"], results[f"mfu_{impl}"] = seconds, flops / seconds / peak
     results.update(attention_kernels(config, batch, canvas, steps))
     results["bf16_peak_after_tflops"] = bf16_peak(peak_n) / 1e12
     return results
@@ -107,48 +127,63 @@ def measure(size: str, steps: int) -> dict[str, float | str]:
 
 def write_markdown(results: dict, markdown=None) -> None:
     config, batch, canvas, peak_n = SIZES[str(results["size"])]
-    rows = [
-        f"Device: {results['device']}, jax {results.get('jax', '?')}. Train step: d_model {config.d_model}, "
-        f"{config.n_layers} layers, "
-        f"{config.n_heads} query / {config.n_kv_heads} kv heads of {config.head_dim}, SwiGLU {config.d_ff}, vocab "
-        f"{config.vocab_size:,} tied, block {config.block_size}, batch {batch} of the 2L layout of a {canvas}-token "
-        f"canvas (T = {2 * canvas}), float32 master weights and AdamW, bfloat16 compute, remat `{config.remat}`; "
-        f"{results['step_tflop']:.1f} TFLOP per step (useful). Peak: the best bfloat16 {peak_n}³ product "
-        f"(float32 accumulation) in the same process, {results['bf16_peak_tflops']:.0f} TFLOP/s before the steps "
-        f"and {results['bf16_peak_after_tflops']:.0f} after.",
-        "",
-        "| attention | step time | MFU (bf16) |", "|---|---|---|",
-        *(f"| `{impl}` | {results[f'step_{impl}_s']:.3f} s | {results[f'mfu_{impl}']:.1%} |"
-          for impl in ("pallas", "blocked")),
-        "",
-        "One layer's attention kernel alone at the step's shapes in bfloat16, forward + backward (error: the "
-        "largest of the value's and each gradient's max difference, relative to their largest entry, from `dense` "
-        "in float32 on the same inputs):",
+    fused = str(results.get("fused", "pallas"))
+    kernels = ("dense", "blocked", fused)
+    head = (f"Device: {results['device']}, jax {results.get('jax', '?')}. Peak: the best bfloat16 {peak_n}³ product "
+            f"(float32 accumulation) in the same process, {results['bf16_peak_tflops']:.0f} TFLOP/s before the "
+            f"measurements and {results['bf16_peak_after_tflops']:.0f} after.")
+    rows = [head, ""]
+    if "step_tflop" in results:
+        rows += [
+            f"Train step: d_model {config.d_model}, {config.n_layers} layers, {config.n_heads} query / "
+            f"{config.n_kv_heads} kv heads of {config.head_dim}, SwiGLU {config.d_ff}, vocab {config.vocab_size:,} "
+            f"tied, block {config.block_size}, batch {batch} of the 2L layout of a {canvas}-token canvas "
+            f"(T = {2 * canvas}), float32 master weights and AdamW, bfloat16 compute, remat `{config.remat}`; "
+            f"{results['step_tflop']:.1f} TFLOP per step (useful).",
+            "",
+            "| attention | step time | MFU (bf16) |", "|---|---|---|",
+            *(f"| `{impl}` | {results[f'step_{impl}_s']:.3f} s | {results[f'mfu_{impl}']:.1%} |"
+              for impl in (fused, "blocked")),
+            "",
+        ]
+    rows += [
+        f"One layer's attention kernel alone ({config.n_heads} query / {config.n_kv_heads} kv heads of "
+        f"{config.head_dim}, batch {batch} of the 2L layout of a {canvas}-token canvas, T = {2 * canvas}, block "
+        f"{config.block_size}) in bfloat16, forward + backward (error: the largest of the value's and each "
+        "gradient's max difference, relative to their largest entry, from `dense` in float32 at the highest "
+        "matmul precision on the same inputs):",
         "",
         "| kernel | time | vs `blocked` | max relative error |", "|---|---|---|---|",
         *(f"| `{impl}` | {results[f'attention_{impl}_s'] * 1e3:.2f} ms | "
           f"{results['attention_blocked_s'] / results[f'attention_{impl}_s']:.2f}x | "
-          f"{results[f'attention_{impl}_max_rel_error']:.1e} |" for impl in ("dense", "blocked", "pallas")),
+          f"{results[f'attention_{impl}_max_rel_error']:.1e} |" for impl in kernels),
     ]
     kwargs = {} if markdown is None else {"markdown": markdown}
     kwargs["measured_on"] = str(results.get("machine") or "") or None
-    write_section("accelerator", "## Accelerator: bf16 MFU and Pallas attention (`bench/accelerator.py`)\n\n"
-                  + "\n".join(rows), **kwargs)
+    if fused == "splash":
+        write_section("accelerator_tpu", "## TPU: splash attention on one chip (`bench/accelerator.py --size sdar "
+                      "--attention-only`)\n\n" + "\n".join(rows), **kwargs)
+    else:
+        write_section("accelerator", "## Accelerator: bf16 MFU and Pallas attention (`bench/accelerator.py`)\n\n"
+                      + "\n".join(rows), **kwargs)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="bfloat16 train-step MFU and Pallas vs XLA attention on a GPU")
+    parser = argparse.ArgumentParser(description="bfloat16 train-step MFU and fused vs XLA attention on a GPU or TPU")
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--attention-only", action="store_true", help="only the attention kernels (no train step)")
     args = parser.parse_args(argv)
-    if args.size == "1b" and jax.default_backend() != "gpu":
-        parser.error(f"--size 1b needs a GPU (JAX's default backend here is {jax.default_backend()!r}); "
+    backend = jax.default_backend()
+    if args.size != "small" and backend not in ("gpu", "tpu"):
+        parser.error(f"--size {args.size} needs a GPU or TPU (JAX's default backend here is {backend!r}); "
                      "--size small runs the same measurements on any backend")
-    results = measure(args.size, args.steps)
+    results = measure(args.size, args.steps, attention_only=args.attention_only)
     for key, value in results.items():
         print(f"{key}: {value}")
-    if args.size == "1b":  # the small size is a check of the script, not a result to keep
-        write_results("accelerator", results)
+    if args.size != "small":  # the small size is a check of the script, not a result to keep
+        name = "accelerator_tpu" if backend == "tpu" else "accelerator"
+        write_results(name, results)
         write_markdown(results)
 
 

@@ -5,11 +5,19 @@ analysis); then run on arrays of those shapes, its peak measured by the device's
 time by the wall clock, its MFU against the bfloat16 matmul peak measured in the same process.
 
     python bench/plan_vs_device.py sdar_1p7b --stage sft-student [--program "train step"]
+    python bench/plan_vs_device.py bench/configs/sdar_1p7b_lora_1chip.toml --stage grpo \
+        --program "rollouts: one denoising step"
 
 The inputs have the program's shapes, dtypes and placement, not a real run's values: floats are
 small positive random numbers (Adam's second moments must not be negative), integers 0, masks
 true. Memory and time do not depend on the values (zeros would flatter the matmul units' power
-draw, hence random). One program per process: the allocator's peak is the process's. Each run
+draw, hence random), except a sampler's number of steps: such weights are never confident, so a
+threshold rule commits one token per step, the most steps a rollout can take (the plan's bound).
+Sampler programs also report what they decoded: tokens committed and steps taken, so tokens per
+second. On a TPU the rollouts' denoising step (its own cost twin: no loop) is also read as the
+plan reads it, XLA's FLOPs and bytes accessed on this chip against its published peak and HBM
+bandwidth: the roofline time and tokens per second beside the measured ones. One program per
+process: the allocator's peak is the process's. Each run
 merges its figures into `bench/results/plan_vs_device.json` under `<preset>/<stage>/<program>`;
 `--table` writes BENCHMARKS.md's section from that file.
 """
@@ -54,15 +62,54 @@ def _inputs(lowered, compiled):
     return jax.tree.map(make, infos, shardings)
 
 
+def _preset_path(preset: str) -> Path:
+    """A preset's name (flows/configs/<name>.toml) or a TOML file's path."""
+    return Path(preset) if preset.endswith(".toml") else ROOT / "flows" / "configs" / f"{preset}.toml"
+
+
+def _decoded(output) -> dict:
+    """Tokens committed and denoising steps taken (the loop runs while any row is active: the most
+    any row took) by a sampler program's output, read from its trace."""
+    from bd_core import DiffusionTrace
+
+    traces = [x for x in _leaves(output) if isinstance(x, DiffusionTrace)]
+    if not traces:
+        return {}
+    trace = traces[0]
+    return {"tokens_committed": int(trace.committed.sum()), "steps_taken": int(trace.step_valid.sum(axis=1).max()),
+            "rows": int(trace.step_valid.shape[0])}
+
+
+def _leaves(tree):
+    import jax
+
+    from bd_core import DiffusionTrace
+
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, DiffusionTrace))
+
+
+def _roofline(compiled, rollout: dict, chip) -> dict:
+    """XLA's count of the compiled denoising step on this chip against the chip's published peak
+    and bandwidth (`bd_train.plan.device_chip`), as a plan reads it."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    bandwidth, compute = accessed / chip.hbm_bandwidth, flops / chip.peak_flops
+    return {"xla_flops": flops, "xla_bytes_accessed": accessed, "roofline_s": max(bandwidth, compute),
+            "bound": "bandwidth" if bandwidth >= compute else "compute", "chip_peak_tflops": chip.peak_flops / 1e12,
+            "chip_hbm_gbps": chip.hbm_bandwidth / 1e9, "tokens_per_step": rollout["tokens_per_step"],
+            "rollout_steps": rollout["steps"]}
+
+
 def measure(preset: str, stage: str, program: str, runs: int, attention: str | None = None, *,
             peak_n: int = 8192) -> dict:
     import jax
     from accelerator import bf16_peak
 
     from bd_models import ModelConfig, make_mesh
-    from bd_train.plan import stage_lowered
+    from bd_train.plan import device_chip, stage_lowered
 
-    data = tomllib.loads((ROOT / "flows" / "configs" / f"{preset}.toml").read_text())
+    data = tomllib.loads(_preset_path(preset).read_text())
     for role in ("teacher", "student") if attention else ():
         data.setdefault(role, {})["attention"] = attention
     role = "teacher" if stage == "sft-teacher" else "student"
@@ -81,13 +128,16 @@ def measure(preset: str, stage: str, program: str, runs: int, attention: str | N
                    + m.generated_code_size_in_bytes)
         before = (device.memory_stats() or {}).get("bytes_in_use", 0)  # CPU keeps no statistics
         # fresh inputs for every run: a train step donates its state's buffers
-        jax.block_until_ready(compiled(*_inputs(target.lowered, compiled)))  # the first run: allocations settle
+        output = jax.block_until_ready(compiled(*_inputs(target.lowered, compiled)))  # allocations settle
+        decoded = _decoded(output)
+        del output
         seconds = []
         for _ in range(runs):
             inputs = jax.block_until_ready(_inputs(target.lowered, compiled))
             start = time.perf_counter()
             jax.block_until_ready(compiled(*inputs))
             seconds.append(time.perf_counter() - start)
+            del inputs  # before the next run's are made: one set live at a time, as in a run
         stats = device.memory_stats() or {}
     step = statistics.median(seconds)
     peak = bf16_peak(peak_n)
@@ -102,36 +152,80 @@ def measure(preset: str, stage: str, program: str, runs: int, attention: str | N
         "bf16_peak_tflops": peak / 1e12, "peak_n": peak_n,
     }
     result["mfu"] = result["model_flops"] / step / peak if result["model_flops"] else 0.0
+    if decoded and not getattr(target, "rollout", None):  # a whole sampler call, not one step of its loop
+        result.update(decoded, tokens_per_s=decoded["tokens_committed"] / step,
+                      s_per_denoising_step=step / decoded["steps_taken"])
+    if getattr(target, "rollout", None) and (chip := device_chip(device)) is not None:
+        result.update(_roofline(compiled, target.rollout, chip))
+        result["tokens_per_s"] = result["tokens_per_step"] / step
+        result["roofline_tokens_per_s"] = result["tokens_per_step"] / result["roofline_s"]
     return result
 
 
 def table(results: dict) -> str:
-    lines = ["| preset | stage | program | attention | planned peak | measured peak | measured - planned | step time | "
+    lines = ["| preset | stage | program | attention | planned peak | measured peak | measured - planned | time | "
              "MFU (bf16) |", "|---|---|---|---|---|---|---|---|---|"]
     stages = ["sft-teacher", "sft-student", "opd", "grpo"]
     for key in sorted(results, key=lambda k: (k.split("/")[0], stages.index(k.split("/")[1]), k.split("/")[2:])):
         r, (preset, stage, program, attention) = results[key], key.split("/")
         mfu = f"{r['mfu']:.1%}" if r["mfu"] else ""
         measured = r["measured_peak_bytes"]
-        seen = (f"{measured / GiB:.3f} GiB | {(measured - r['planned_bytes']) / 2**20:+.2f} MiB" if measured is not None
-                else "not kept by this device | ")
+        over = "≤ " if r.get("peak_two_input_sets") else ""
+        seen = (f"{over}{measured / GiB:.3f} GiB | {over}{(measured - r['planned_bytes']) / 2**20:+.0f} MiB"
+                if measured is not None else "not kept by this device | ")
+        time_ = f"{r['step_s'] * 1e3:.1f} ms" if r["step_s"] < 0.1 else f"{r['step_s']:.3f} s"
         lines.append(f"| {preset} | {stage} | {program} | `{attention}` | {r['planned_bytes'] / GiB:.3f} GiB | "
-                     f"{seen} | {r['step_s']:.3f} s | {mfu} |")
+                     f"{seen} | {time_} | {mfu} |")
     return "\n".join(lines)
 
 
+def rollout_lines(results: dict) -> list[str]:
+    """The denoising steps measured against the plan's roofline reading of them."""
+    out = []
+    for key, r in sorted(results.items()):
+        if "roofline_s" not in r:
+            continue
+        out.append(f"- `{key.split('/')[0]}` {key.split('/')[1]}, {key.split('/')[2]} ({r['tokens_per_step']:.0f} "
+                   f"tokens committed per step, {r['rollout_steps']} steps per rollout batch): measured "
+                   f"{r['step_s'] * 1e3:.1f} ms per step, {r['tokens_per_s']:,.0f} tokens/s on the chip; the plan's "
+                   f"roofline reading, from XLA's count on this chip ({r['xla_flops'] / 1e12:.2f} TFLOP, "
+                   f"{r['xla_bytes_accessed'] / 1e9:.1f} GB accessed against {r['chip_hbm_gbps']:.0f} GB/s and "
+                   f"{r['chip_peak_tflops']:.0f} TFLOP/s: {r['bound']}-bound), {r['roofline_s'] * 1e3:.1f} ms and "
+                   f"{r['roofline_tokens_per_s']:,.0f} tokens/s: {r['roofline_s'] / r['step_s']:.2f}x slower than "
+                   f"measured. The program's arguments (weights and the KV cache) are "
+                   f"{r['argument_bytes'] / 1e9:.2f} GB, read once per step at the chip's bandwidth in "
+                   f"{r['argument_bytes'] / r['chip_hbm_gbps'] / 1e6:.1f} ms.")
+    return out
+
+
+SECTIONS = {"gpu": "plan_vs_device", "tpu": "plan_vs_device_tpu"}
+
+
 def _write_table(results: dict, markdown: Path | None = None) -> None:
-    first = next(iter(results.values()))
-    peaks = sorted(r["bf16_peak_tflops"] for r in results.values())
-    write_section("plan_vs_device", "## The plan against a device (`bench/plan_vs_device.py`)\n\n"
-                  f"Device: {first['device']}, jax {first['jax']}. Each program built by `bd_train.plan`'s program "
-                  "builder for one device, compiled, and read as a TPU plan reads it (planned peak: arguments + "
-                  "outputs - aliased + temporaries + code, XLA's memory analysis); then run on inputs of its shapes: "
-                  "measured peak is the allocator's peak in use during the runs, less what was in use before the "
-                  "inputs were made; step time the median of the runs after the first; MFU the model's matmul "
-                  f"FLOPs (3 x forward) per second over the best bfloat16 {first['peak_n']}³ product in the same "
-                  f"process ({peaks[0]:.0f} to {peaks[-1]:.0f} TFLOP/s).\n\n" + table(results),
-                  **({} if markdown is None else {"markdown": markdown}), measured_on=first.get("machine"))
+    by_platform: dict[str, dict] = {}
+    for key, r in results.items():
+        by_platform.setdefault(r["device"].split(":")[0], {})[key] = r
+    for platform, rows in by_platform.items():
+        if platform not in SECTIONS:  # a CPU's run checks the script; it is no result to keep
+            continue
+        first = next(iter(rows.values()))
+        peaks = sorted(r["bf16_peak_tflops"] for r in rows.values())
+        notes = rollout_lines(rows)
+        caveat = ("\n\n≤: measured while the next run's inputs were made before the last run's were freed: the "
+                  "program's inputs that it does not donate were live twice, so the peak is an upper bound (the "
+                  "script now frees them first)." if any(r.get("peak_two_input_sets") for r in rows.values()) else "")
+        write_section(SECTIONS[platform],
+                      f"## The plan against a device: {first['device']} (`bench/plan_vs_device.py`)\n\n"
+                      f"Device: {first['device']}, jax {first['jax']}. Each program built by `bd_train.plan`'s program "
+                      "builder for one device, compiled, and read as a TPU plan reads it (planned peak: arguments + "
+                      "outputs - aliased + temporaries + code, XLA's memory analysis); then run on inputs of its "
+                      "shapes: measured peak is the allocator's peak in use during the runs, less what was in use "
+                      "before the inputs were made; time the median of the runs after the first; MFU the model's "
+                      "matmul FLOPs (3 x forward, 2 x under LoRA: the frozen weights get no gradient) per second over "
+                      f"the best bfloat16 {first['peak_n']}³ product in the same process ({peaks[0]:.0f} to "
+                      f"{peaks[-1]:.0f} TFLOP/s).\n\n" + table(rows) + caveat
+                      + ("\n\nRollouts:\n\n" + "\n".join(notes) if notes else ""),
+                      **({} if markdown is None else {"markdown": markdown}), measured_on=first.get("machine"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -148,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         result = measure(args.preset, args.stage, args.program, args.runs, args.attention)
         print(json.dumps(result, indent=1))
         results = json.loads(path.read_text()) if path.exists() else {}
-        key = f"{args.preset}/{args.stage}/{args.program}/{result['attention']}"
+        key = f"{Path(args.preset).stem}/{args.stage}/{args.program}/{result['attention']}"
         write_results("plan_vs_device", {**results, key: result})
     if path.exists():
         _write_table(json.loads(path.read_text()))

@@ -100,6 +100,8 @@ def test_the_studys_rft_arm_samples_as_its_grpo_arm(tmp_path):
         ("[mesh]\nmodel = 2\n[student]\nn_kv_heads = 1\n",
          "student.n_kv_heads: 1 does not divide the mesh's model = 2 devices it is split over"),
         ("[run]\nlog_every = 0\n", "run.log_every: expected an integer >= 1, got 0"),
+        ("[run]\nmatmul_precision = 'float32'\n",
+         "run.matmul_precision: expected one of ['default', 'high', 'highest'], got 'float32'"),
         ("[run]\nmax_to_keep = 0\n", "run.max_to_keep: expected an integer >= 1, got 0; max_to_keep = 0 would delete"),
         ("[run]\nallow_changes = ['sft.optim.lr']\n", "run.allow_changes: expected a fingerprint field under one of"),
         ("[run]\nallow_changes = ['training.grpo.optim.lrr']\n",

@@ -19,7 +19,20 @@ import numpy as np
 import pytest
 
 from bd_train import Checkpointer, Trainer, make_optimizer, sft_objective
-from bd_train.stages import Run, RunDir, SimulatedFailure, StageError, StageSpec, drive, parse_pipeline_config
+from bd_train.stages import (
+    Run,
+    RunDir,
+    SimulatedFailure,
+    StageError,
+    StageSpec,
+    drive,
+    parse_pipeline_config,
+    run_grpo,
+    run_opd,
+    run_rft,
+    run_sft,
+)
+from bd_train.stages._driver import under_run_precision
 
 SMOKE = Path(__file__).resolve().parents[3] / "flows" / "configs" / "smoke.toml"
 TOTAL = 10
@@ -308,3 +321,14 @@ def test_a_distilled_or_adopted_checkpoint_is_computed_as_its_role_says():
     config = saved_model_config(run, run.identity("teacher"), "teacher")
     assert (config.attention, config.remat, config.logits_chunk) == ("dense", "full", 4)
     assert config == run.model_config("teacher")
+
+
+def test_every_stage_runs_at_the_matmul_precision_the_run_names():
+    """`[run] matmul_precision` is JAX's default precision inside each stage (rollouts, replays,
+    train steps, evaluation), and nowhere else: one stage's setting does not leak into the process."""
+    seen = []
+    probe = under_run_precision(lambda config, where: seen.append(jax.config.jax_default_matmul_precision))
+    probe(parse_pipeline_config("[run]\nmatmul_precision = 'highest'\n"), None)
+    probe(parse_pipeline_config(""), None)
+    assert seen == ["highest", "default"] and jax.config.jax_default_matmul_precision is None
+    assert all(stage.__wrapped__ for stage in (run_sft, run_opd, run_grpo, run_rft))  # each stage is wrapped

@@ -41,8 +41,8 @@ def remedies_for(config: dict, stage: str, mesh: dict[str, int], over: float) ->
         out.append((f'[{role}] remat = "full"', changed(role, remat="full"), mesh))
     if mesh["data"] > 1:
         folded = {"data": 1, "fsdp": mesh["data"] * mesh["fsdp"], "model": mesh["model"]}
-        out.append((f"[mesh] fsdp = {folded['fsdp']}, data = 1", {**config, "mesh": {**config.get("mesh", {}), **folded}},
-                    folded))
+        refolded = {**config, "mesh": {**config.get("mesh", {}), **folded}}
+        out.append((f"[mesh] fsdp = {folded['fsdp']}, data = 1", refolded, folded))
     lora = config.get(role, {}).get("lora")
     if lora is None and (name != "sft" or config.get(role, {}).get("pretrained")):
         adapters = {"rank": 16, "alpha": 32.0, "targets": ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"],

@@ -47,6 +47,19 @@ CHIPS = {
     "v6e": Chip("v6e", 32 * GiB, 1640e9, 918e12, (2, 2, 1), 8, int(31.25 * GiB)),
 }
 
+# JAX's `device_kind` of each generation's chips (a v5e reports "TPU v5 lite").
+DEVICE_KINDS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p", "TPU v6 lite": "v6e",
+                "TPU v6e": "v6e"}
+
+
+def device_chip(device: Any) -> Chip | None:
+    """The plan's figures (`Chip`: HBM, bandwidth, bfloat16 peak) of a JAX device's TPU
+    generation, read from its `device_kind`; None for another device (a CPU, a GPU, a TPU
+    generation the plan does not know)."""
+    name = DEVICE_KINDS.get(getattr(device, "device_kind", ""))
+    return None if name is None else CHIPS[name]
+
+
 _SIZE = re.compile(r"\(([\d.]+)([KMGT])\)")
 _SCALE = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 

@@ -170,8 +170,9 @@ def evaluate(checkpoint: str | Path, *, task: str | None = None, samples: int = 
         ```
     """
     run, model = load(checkpoint, task=task, n=n, config=config)
-    result = evaluate_report(model, run, key=jax.random.key(seed), samples=samples, thresholds=thresholds,
-                             timed=True, best_of=best_of)
+    with jax.default_matmul_precision(run.config.run.matmul_precision):  # as the stage that made it
+        result = evaluate_report(model, run, key=jax.random.key(seed), samples=samples, thresholds=thresholds,
+                                 timed=True, best_of=best_of)
     metrics = result.metrics()
     per_problem = result.per_problem()
     correct = int(per_problem["accuracy"].sum())

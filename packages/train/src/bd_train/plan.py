@@ -62,10 +62,10 @@ from ._plan_report import (
     rollout_cost,
 )
 from ._plan_run import shapes_run
-from ._tpu import GiB, Topology, TopologyError, topology
+from ._tpu import Chip, GiB, Topology, TopologyError, device_chip, topology
 
-__all__ = ["LargestBatch", "Plan", "ProgramPlan", "StagePlan", "compile_program", "format_largest", "format_plan",
-           "largest_batch", "main", "plan", "rollout_cost", "stage_programs"]
+__all__ = ["Chip", "LargestBatch", "Plan", "ProgramPlan", "StagePlan", "compile_program", "device_chip",
+           "format_largest", "format_plan", "largest_batch", "main", "plan", "rollout_cost", "stage_programs"]
 
 STAGES = ("sft", "opd", "grpo")
 EXIT_CODES = """exit codes:

@@ -20,6 +20,8 @@ from ._config_io import build, to_dict
 from ._sections import MeshSection, ModelSection, TaskSection, TokenizerSection
 from ._stage_sections import EvalSection, GRPOSection, OPDSection, RFTSection, SFTSection
 
+MATMUL_PRECISIONS = ("default", "high", "highest")
+
 # What a stage's checkpoints pin (`[run] allow_changes` names fields under these).
 PINNED = ("identity", "training", "teacher", "teacher_weights", "rollout", "adapters", "start")
 
@@ -43,6 +45,8 @@ class RunSection:
         stall_factor: a multi-process run stops (exit code 75) when an update takes longer than this × the median
             update (0: no watchdog; otherwise at least 2).
         stall_floor_s: the least seconds without progress that count as a stall.
+        matmul_precision: JAX's precision of float32 matrix products in every stage (`"default"`, `"high"` or
+            `"highest"`); see `jax.default_matmul_precision`.
     """
 
     seed: int = 0
@@ -67,6 +71,13 @@ class RunSection:
     # stall_factor = 0 turns it off; BDLM_STALL_FACTOR / BDLM_STALL_FLOOR_S override both.
     stall_factor: float = 10.0
     stall_floor_s: float = 300.0
+    # JAX's precision of float32 matrix products in every stage (jax.default_matmul_precision).
+    # "default" is float32 on a CPU but passes them through bfloat16 on a TPU (TF32 on recent
+    # GPUs): there a replay of a rollout's trace then differs from the log-probs the sampler
+    # recorded by up to about 2% per token for a float32 model, against 8e-6 with "highest"
+    # (bench/trace_replay.py, BENCHMARKS.md), at several times the matmul cost. bfloat16
+    # compute rounds at bfloat16 whatever this says.
+    matmul_precision: str = "default"
 
     def __post_init__(self):
         for name in ("checkpoint_every", "max_to_keep", "log_every"):
@@ -82,6 +93,9 @@ class RunSection:
                                "0 (no watchdog) or at least 2 (an update may take twice the median on a busy host)")
         if not self.stall_floor_s >= 1:
             raise config_error("", "stall_floor_s", self.stall_floor_s, "at least 1 second")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise config_error("", "matmul_precision", self.matmul_precision, f"one of {list(MATMUL_PRECISIONS)}",
+                               "JAX's names (jax.default_matmul_precision)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import jax
 
@@ -25,6 +26,7 @@ from .._checkpoint import CheckpointError
 from .._loop import run_updates
 from .._optim import applied_updates
 from .._watchdog import StallPolicy, watch_progress
+from ._config import pipeline_config
 from ._evaluate import Evaluation, eval_examples, evaluate, evaluate_report
 from ._guard import Guard
 from ._intervals import gain_intervals
@@ -141,6 +143,21 @@ class StageResult:
 
 class SimulatedFailure(RuntimeError):
     """Raised on purpose after a saved step (`fail_after`), so that `resume` can be tested."""
+
+
+Params = ParamSpec("Params")
+Result = TypeVar("Result")
+
+
+def under_run_precision(stage: Callable[Params, Result]) -> Callable[Params, Result]:
+    """`stage` (called as `stage(config, where, ...)`) with float32 matrix products at `[run]
+    matmul_precision`: its rollouts, replays, train steps and evaluation alike."""
+    @functools.wraps(stage)
+    def run(*args: Params.args, **kwargs: Params.kwargs) -> Result:
+        with jax.default_matmul_precision(pipeline_config(args[0]).run.matmul_precision):
+            return stage(*args, **kwargs)
+
+    return run
 
 
 def mesh_scope(mesh: jax.sharding.Mesh | None):

@@ -14,13 +14,14 @@ from .._grpo import distribution_score, make_grpo_loss
 from .._optim import make_optimizer
 from .._trainer import Trainer, TrainerConfig
 from ._compat import saved_weights
-from ._driver import StageResult, StageSpec, drive
+from ._driver import StageResult, StageSpec, drive, under_run_precision
 from ._rollout import grpo_config, rollout_batch
 from ._run import Run, RunDir
 
 GRPO_CURVES = ("reward_mean", "rollout_accuracy", "loss", "clip_fraction", "kl", "entropy")
 
 
+@under_run_precision
 def run_grpo(config: Any, where: RunDir, *, start: StageResult, fail_after: int | None = None) -> StageResult:
     """GRPO from the student `start` (OPD's result): rollouts, group advantages and clipped updates on the exact replay
     of each trace; returns the checkpoint, identity, history and eval.

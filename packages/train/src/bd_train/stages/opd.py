@@ -26,7 +26,7 @@ from .._optim import make_optimizer
 from .._replay import build_replay, replay_capacity
 from .._trainer import Trainer, TrainerConfig
 from ._compat import saved_model_config, teacher_pins
-from ._driver import StageResult, StageSpec, drive, mesh_scope
+from ._driver import StageResult, StageSpec, drive, mesh_scope, under_run_precision
 from ._evaluate import eval_examples, evaluate
 from ._guard import Guard, comparable
 from ._rollout import on_mesh, roll_out
@@ -52,6 +52,7 @@ def _teacher_forward(teacher: Any, mesh: Any) -> Callable[[Any], Any]:
     return lambda layout: program(params, layout)
 
 
+@under_run_precision
 def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageResult,
             fail_after: int | None = None) -> StageResult:
     """On-policy distillation: the student samples, every denoising step is replayed, and the student minimizes
@@ -70,7 +71,6 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
     run = Run(config, where)
     run.enable_compilation_cache()
     section = run.config.opd
-    mask_id = run.tokenizer.mask_id
     teacher_config = saved_model_config(run, teacher.fingerprint, "teacher")
     mesh = run.mesh(run.model_config("student"), teacher_config,
                     batch_size=section.prompts_per_step // section.microbatches, roles=("student", "teacher"))
@@ -94,7 +94,7 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
         model = run.adapt(model, lora, "opd")
     sampler = run.sampler_config(section.sampler)
     loss_fn = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
-                                      positions=section.positions, mask_id=mask_id))
+                                      positions=section.positions, mask_id=run.tokenizer.mask_id))
     optimizer = run.optimizer_config(section.optim, section.steps)
     trainer = Trainer(loss_fn, make_optimizer(optimizer),
                       TrainerConfig(microbatches=section.microbatches, donate=True))
@@ -106,7 +106,7 @@ def run_opd(config: Any, where: RunDir, *, teacher: StageResult, student: StageR
         batch = next(prompts)
         out = roll_out(state.model, (batch.tokens, batch.valid), batch.examples, sampler, tokenizer=run.tokenizer,
                        reward=run.reward, key=jax.random.fold_in(keys["rollout"], step), mesh=mesh)
-        replay = build_replay(out.rollout, mask_id=mask_id, num_views=replay_capacity(sampler))
+        replay = build_replay(out.rollout, mask_id=run.tokenizer.mask_id, num_views=replay_capacity(sampler))
         features = teacher_forward(replay.batch.layout)
         batch = DistillationBatch(on_mesh(replay.batch, mesh), teacher_features=features, teacher_head=head)
         state, metrics = trainer.step(state, batch)

@@ -23,13 +23,14 @@ from .._rft import rft_batch
 from .._sft import sft_objective
 from .._trainer import Trainer, TrainerConfig
 from ._config import check_rows_split
-from ._driver import StageResult, StageSpec, drive
+from ._driver import StageResult, StageSpec, drive, under_run_precision
 from ._rollout import group_rollouts, on_mesh
 from ._run import Run, RunDir, StageError
 
 RFT_CURVES = ("accepted", "reward_mean", "loss", "grad_norm")
 
 
+@under_run_precision
 def run_rft(config: Any, where: RunDir, *, start: StageResult, fail_after: int | None = None) -> StageResult:
     """RFT from the model `start` hands on (any student stage's result, e.g. OPD's)."""
     start = start.handed_on

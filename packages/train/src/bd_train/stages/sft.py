@@ -15,7 +15,7 @@ from .._optim import make_optimizer
 from .._sft import sft_objective
 from .._trainer import Trainer, TrainerConfig
 from ._compat import SHARED_IDENTITY_KEYS, saved_identity, saved_model_config
-from ._driver import StageResult, StageSpec, drive, mesh_scope
+from ._driver import StageResult, StageSpec, drive, mesh_scope, under_run_precision
 from ._evaluate import evaluate
 from ._rollout import on_mesh
 from ._run import ROLES, Run, RunDir, StageError
@@ -23,6 +23,7 @@ from ._run import ROLES, Run, RunDir, StageError
 SFT_CURVES = ("loss", "grad_norm")
 
 
+@under_run_precision
 def run_sft(config: Any, where: RunDir, *, role: str, start: StageResult | None = None,
             fail_after: int | None = None) -> StageResult:
     """Train (or adopt) the `role` model; returns its checkpoint, identity, history and eval. With
