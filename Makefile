@@ -108,7 +108,7 @@ interop:
 # Benchmarks print ratios measured in one process and refresh their section of BENCHMARKS.md.
 bench: sync plan-env
 	@for f in bench/train_step.py bench/sampling.py bench/sft_weighting.py bench/remat.py bench/import_memory.py bench/lora.py \
-	  bench/profile_step.py bench/sampler_batch.py bench/noisy_views.py bench/host_memory.py bench/checkpoint_digest.py bench/restore_stress.py bench/async_save.py bench/countdown_data.py bench/logits_head.py; do \
+	  bench/profile_step.py bench/sampler_batch.py bench/noisy_views.py bench/host_memory.py bench/checkpoint_digest.py bench/restore_stress.py bench/async_save.py bench/countdown_data.py bench/logits_head.py bench/trace_replay.py; do \
 	  if [ -f $$f ]; then echo "== $$f"; $(RUN) python $$f || exit 1; fi; done
 	@echo "== bench/plan_presets.py"; .plan/bin/python bench/plan_presets.py
 

@@ -198,7 +198,7 @@ def rollout_lines(results: dict) -> list[str]:
     return out
 
 
-SECTIONS = {"gpu": "plan_vs_device", "tpu": "plan_vs_device_tpu"}
+SECTIONS = {"gpu": "plan_vs_device", "tpu": "plan_vs_device_tpu", "cpu": "plan_vs_device_cpu"}
 
 
 def _write_table(results: dict, markdown: Path | None = None) -> None:
@@ -206,8 +206,6 @@ def _write_table(results: dict, markdown: Path | None = None) -> None:
     for key, r in results.items():
         by_platform.setdefault(r["device"].split(":")[0], {})[key] = r
     for platform, rows in by_platform.items():
-        if platform not in SECTIONS:  # a CPU's run checks the script; it is no result to keep
-            continue
         first = next(iter(rows.values()))
         peaks = sorted(r["bf16_peak_tflops"] for r in rows.values())
         notes = rollout_lines(rows)
@@ -230,7 +228,8 @@ def _write_table(results: dict, markdown: Path | None = None) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("preset", nargs="?", default="sdar_1p7b", help="a flows/configs/<preset>.toml")
+    parser.add_argument("preset", nargs="?", default="sdar_1p7b",
+                        help="a flows/configs/<preset>.toml by name, or a TOML file's path")
     parser.add_argument("--stage", default="sft-student", choices=["sft-teacher", "sft-student", "opd", "grpo"])
     parser.add_argument("--program", default="train step")
     parser.add_argument("--runs", type=int, default=5)
@@ -241,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.table:
         result = measure(args.preset, args.stage, args.program, args.runs, args.attention)
         print(json.dumps(result, indent=1))
+        if result["device"].startswith("cpu"):  # a CPU's run checks the script: no result to keep
+            return
         results = json.loads(path.read_text()) if path.exists() else {}
         key = f"{Path(args.preset).stem}/{args.stage}/{args.program}/{result['attention']}"
         write_results("plan_vs_device", {**results, key: result})

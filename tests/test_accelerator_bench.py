@@ -15,6 +15,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import accelerator  # noqa: E402  (bench/ is a folder of scripts, not a package)
+import trace_replay  # noqa: E402
 from train_step import make_step, sft_batch  # noqa: E402
 
 from bd_models import BlockDiffusionLM  # noqa: E402
@@ -64,3 +65,11 @@ def test_plan_vs_device_runs_a_plans_program_and_renders(tmp_path):
     plan_vs_device._write_table({"smoke/sft-student/train step/blocked": result}, markdown)
     text = markdown.read_text()
     assert "| smoke | sft-student | train step | `blocked` |" in text and "not kept by this device" in text
+
+
+def test_trace_replay_measures_the_cpus_float32_replay_within_float_tolerance(tmp_path):
+    """On a CPU float32 products are float32 at any precision: the script's drift is the tests'
+    1e-5 (an accelerator's default precision is what it measures)."""
+    drift = trace_replay.drift(trace_replay.SIZES["small"], "blocked", "default")
+    assert drift["tokens"] == trace_replay.ROWS * trace_replay.NEW and 0 <= drift["max_abs"] <= 1e-5
+    assert drift["mean_abs"] <= drift["max_abs"] and drift["mean_logprob"] < 0
