@@ -16,7 +16,7 @@ in tests/test_accelerator_bench.py runs, so the script stays runnable without a 
 
 On a TPU (`python bench/accelerator.py --size sdar --attention-only`) the fused kernel is `splash`
 (JAX's splash kernels with the block-diffusion mask) instead of the Triton one, at SDAR-1.7B's
-attention shapes (16 query and 8 kv heads of 128, tiles of 128); the section is `accelerator_tpu`.
+attention shapes (16 query and 8 kv heads of 128, tiles of 128); the section is `accelerator_tpu_sdar`.
 SDAR-1.7B's train steps on one chip are measured by `bench/plan_vs_device.py`.
 """
 
@@ -113,7 +113,7 @@ def measure(size: str, steps: int, *, attention_only: bool = False) -> dict[str,
                                        "batch": batch, "canvas": canvas, "machine": machine(), "jax": jax.__version__}
     peak = bf16_peak(peak_n)
     results["bf16_peak_tflops"] = peak / 1e12
-    results["fused"] = fused_kernel()
+    results["fused"], results["reference_precision"] = fused_kernel(), "highest"
     if not attention_only:
         flops = model_flops(config, sft_batch(config, batch, canvas)[0])["train_step"]
         results["step_tflop"] = flops / 1e12
@@ -138,7 +138,8 @@ def write_markdown(results: dict, markdown=None) -> None:
             f"Train step: d_model {config.d_model}, {config.n_layers} layers, {config.n_heads} query / "
             f"{config.n_kv_heads} kv heads of {config.head_dim}, SwiGLU {config.d_ff}, vocab {config.vocab_size:,} "
             f"tied, block {config.block_size}, batch {batch} of the 2L layout of a {canvas}-token canvas "
-            f"(T = {2 * canvas}), float32 master weights and AdamW, bfloat16 compute, remat `{config.remat}`; "
+            f"(T = {2 * canvas}), {config.param_dtype} master weights and AdamW, {config.compute_dtype} compute, "
+            f"remat `{config.remat}`; "
             f"{results['step_tflop']:.1f} TFLOP per step (useful).",
             "",
             "| attention | step time | MFU (bf16) |", "|---|---|---|",
@@ -150,8 +151,8 @@ def write_markdown(results: dict, markdown=None) -> None:
         f"One layer's attention kernel alone ({config.n_heads} query / {config.n_kv_heads} kv heads of "
         f"{config.head_dim}, batch {batch} of the 2L layout of a {canvas}-token canvas, T = {2 * canvas}, block "
         f"{config.block_size}) in bfloat16, forward + backward (error: the largest of the value's and each "
-        "gradient's max difference, relative to their largest entry, from `dense` in float32 at the highest "
-        "matmul precision on the same inputs):",
+        "gradient's max difference, relative to their largest entry, from `dense` in float32 at the "
+        f"{results.get('reference_precision', 'default')} matmul precision on the same inputs):",
         "",
         "| kernel | time | vs `blocked` | max relative error |", "|---|---|---|---|",
         *(f"| `{impl}` | {results[f'attention_{impl}_s'] * 1e3:.2f} ms | "
@@ -160,12 +161,18 @@ def write_markdown(results: dict, markdown=None) -> None:
     ]
     kwargs = {} if markdown is None else {"markdown": markdown}
     kwargs["measured_on"] = str(results.get("machine") or "") or None
-    if fused == "splash":
-        write_section("accelerator_tpu", "## TPU: splash attention on one chip (`bench/accelerator.py --size sdar "
-                      "--attention-only`)\n\n" + "\n".join(rows), **kwargs)
-    else:
-        write_section("accelerator", "## Accelerator: bf16 MFU and Pallas attention (`bench/accelerator.py`)\n\n"
-                      + "\n".join(rows), **kwargs)
+    name = section_name(str(results["device"]).split(":")[0], str(results["size"]))
+    kernel = "splash" if fused == "splash" else "Pallas"
+    title = ("Accelerator: bf16 MFU and Pallas attention" if name == "accelerator" else
+             f"{results['device']}: {kernel} attention at size `{results['size']}`")
+    write_section(name, f"## {title} (`bench/accelerator.py --size {results['size']}`)\n\n" + "\n".join(rows),
+                  **kwargs)
+
+
+def section_name(backend: str, size: str) -> str:
+    """The results file and BENCHMARKS.md section of a run: `accelerator` for the GPU's 1B step
+    (the headline), `accelerator_<backend>_<size>` for any other."""
+    return "accelerator" if (backend, size) == ("gpu", "1b") else f"accelerator_{backend}_{size}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -182,8 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     for key, value in results.items():
         print(f"{key}: {value}")
     if args.size != "small":  # the small size is a check of the script, not a result to keep
-        name = "accelerator_tpu" if backend == "tpu" else "accelerator"
-        write_results(name, results)
+        write_results(section_name(backend, args.size), results)
         write_markdown(results)
 
 

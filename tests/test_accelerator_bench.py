@@ -1,4 +1,4 @@
-"""`bench/accelerator.py` (the GPU benchmark: bf16 train-step MFU, Pallas vs XLA attention) runs
+"""`bench/accelerator.py` (the accelerator benchmark: bf16 train-step MFU, fused vs XLA attention) runs
 end to end at its small size on CPU, so it is ready when a GPU is: every kernel's bfloat16 value
 and gradients stay near float32 dense attention, and its BENCHMARKS.md section renders. The 1B
 train step it times on a GPU lowers for CUDA here, its attention through three Triton kernels."""
@@ -35,7 +35,7 @@ def test_small_size_measures_and_renders(tmp_path):
     markdown = tmp_path / "BENCHMARKS.md"
     accelerator.write_markdown(results, markdown)
     text = markdown.read_text()
-    assert "<!-- accelerator:start -->" in text and "Device: cpu" in text
+    assert "<!-- accelerator_cpu_small:start -->" in text and "Device: cpu" in text
     assert all(f"| `{impl}` |" in text for impl in ("dense", "blocked", "pallas"))
 
 
@@ -73,3 +73,14 @@ def test_trace_replay_measures_the_cpus_float32_replay_within_float_tolerance(tm
     drift = trace_replay.drift(trace_replay.SIZES["small"], "blocked", "default")
     assert drift["tokens"] == trace_replay.ROWS * trace_replay.NEW and 0 <= drift["max_abs"] <= 1e-5
     assert drift["mean_abs"] <= drift["max_abs"] and drift["mean_logprob"] < 0
+
+
+def test_a_devices_chip_is_read_from_its_kind():
+    """`device_chip` maps JAX's `device_kind` to the plan's figures (a v5e reports "TPU v5 lite"),
+    and answers None for a device that is no TPU the plan knows."""
+    from bd_train.plan import device_chip
+
+    kind = lambda name: type("Device", (), {"device_kind": name})()  # noqa: E731
+    v5e, v6e = device_chip(kind("TPU v5 lite")), device_chip(kind("TPU v6 lite"))
+    assert (v5e.name, v5e.hbm_bandwidth, v5e.peak_flops) == ("v5e", 819e9, 197e12) and v6e.name == "v6e"
+    assert device_chip(jax.devices("cpu")[0]) is None and device_chip(kind("NVIDIA H200")) is None

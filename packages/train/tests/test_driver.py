@@ -31,8 +31,8 @@ from bd_train.stages import (
     run_opd,
     run_rft,
     run_sft,
+    under_run_precision,
 )
-from bd_train.stages._driver import under_run_precision
 
 SMOKE = Path(__file__).resolve().parents[3] / "flows" / "configs" / "smoke.toml"
 TOTAL = 10
@@ -329,6 +329,6 @@ def test_every_stage_runs_at_the_matmul_precision_the_run_names():
     seen = []
     probe = under_run_precision(lambda config, where: seen.append(jax.config.jax_default_matmul_precision))
     probe(parse_pipeline_config("[run]\nmatmul_precision = 'highest'\n"), None)
-    probe(parse_pipeline_config(""), None)
+    probe(config=parse_pipeline_config(""), where=None)  # by name, as a stage may be called
     assert seen == ["highest", "default"] and jax.config.jax_default_matmul_precision is None
     assert all(stage.__wrapped__ for stage in (run_sft, run_opd, run_grpo, run_rft))  # each stage is wrapped

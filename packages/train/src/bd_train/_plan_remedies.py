@@ -20,6 +20,20 @@ def microbatch_counts(config: dict, stage: str, mesh: dict[str, int]) -> tuple[s
                                                   if rows % m == 0 and (rows // m) % shards == 0]
 
 
+def with_attention(data: dict, attention: str | None) -> dict:
+    """The preset with both models' attention replaced by `attention` (`--attention`), if given."""
+    if attention is None:
+        return data
+    return {**data, **{role: {**data.get(role, {}), "attention": attention} for role in ("teacher", "student")}}
+
+
+def planned_on(config: dict, mesh: dict[str, int]) -> dict:
+    """The preset with the mesh a plan lays over the slice as its `[mesh]` (one node: the plan
+    places the hosts itself), so that its rows per data-parallel chip, and every remedy's, are
+    checked against the mesh planned rather than the one the preset was written for."""
+    return {**config, "mesh": {**config.get("mesh", {}), **mesh, "num_nodes": 1}}
+
+
 def remedies_for(config: dict, stage: str, mesh: dict[str, int], over: float) -> list[tuple[str, dict, dict[str, int]]]:
     """Single changes that cut a stage's memory, as (description, changed config data, mesh), for
     a stage `over` times too large: more microbatches (the smallest count that might fit, then
@@ -41,8 +55,7 @@ def remedies_for(config: dict, stage: str, mesh: dict[str, int], over: float) ->
         out.append((f'[{role}] remat = "full"', changed(role, remat="full"), mesh))
     if mesh["data"] > 1:
         folded = {"data": 1, "fsdp": mesh["data"] * mesh["fsdp"], "model": mesh["model"]}
-        refolded = {**config, "mesh": {**config.get("mesh", {}), **folded}}
-        out.append((f"[mesh] fsdp = {folded['fsdp']}, data = 1", refolded, folded))
+        out.append((f"[mesh] fsdp = {folded['fsdp']}, data = 1", config, folded))
     lora = config.get(role, {}).get("lora")
     if lora is None and (name != "sft" or config.get(role, {}).get("pretrained")):
         adapters = {"rank": 16, "alpha": 32.0, "targets": ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"],

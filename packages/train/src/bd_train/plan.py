@@ -52,7 +52,7 @@ from bd_models import MeshError
 from ._output_path import output_path_error
 from ._plan_compile import submit
 from ._plan_programs import COSTS, ProgramPlan, compile_program, stage_programs
-from ._plan_remedies import layout_remedy, microbatch_counts, remedies_for
+from ._plan_remedies import layout_remedy, microbatch_counts, planned_on, remedies_for, with_attention
 from ._plan_report import (
     LargestBatch,
     Plan,
@@ -183,10 +183,16 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
     """
     from .stages._config import parse_pipeline_config, pipeline_config
 
-    data = _with_mesh(_with_attention(data, attention), mesh)
+    data = with_attention(data, attention)
 
     topo = topology(topology_name, num_slices=num_slices)
-    config = pipeline_config(parse_pipeline_config(data))
+    try:
+        config = pipeline_config(parse_pipeline_config(data))
+    except ConfigError:
+        if mesh is None:
+            raise
+        data = planned_on(data, mesh)  # a preset made for another mesh, whose rows the planned one splits
+        config = pipeline_config(parse_pipeline_config(data))
     mesh_shape = mesh or {"data": config.mesh.data, "fsdp": config.mesh.fsdp, "model": config.mesh.model}
     log(f"{topo.describe()}; mesh {mesh_shape}")
     stages = []
@@ -202,8 +208,8 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
                 raise
             description, stage_data = layout
             log(f"  {stage_name}: {err}; planning it with {description}")
-            result = plan_stage(pipeline_config(parse_pipeline_config(stage_data)), stage_name, mesh_shape, topo, log,
-                                memo=memo, cost=cost, approx_cost=approx_cost, streamed=streamed)
+            result = plan_stage(pipeline_config(parse_pipeline_config(planned_on(stage_data, mesh_shape))), stage_name,
+                                mesh_shape, topo, log, memo=memo, cost=cost, approx_cost=approx_cost, streamed=streamed)
             result.planned_with = f"{description} (as configured: {err})"
         if not result.fits and remedies:
             result.remedy = "no single change tried makes it fit"
@@ -211,8 +217,9 @@ def plan(data: dict, topology_name: str, *, name: str = "preset", stage: str = "
             for description, changed, changed_mesh in remedies_for(stage_data, stage_name, mesh_shape, over):
                 log(f"  {stage_name} does not fit ({result.peak / GiB:.1f} GiB): trying {description}")
                 try:
-                    retry = plan_stage(pipeline_config(parse_pipeline_config(changed)), stage_name, changed_mesh, topo,
-                                       log, cost="none", memo=memo, streamed=streamed)  # memory only
+                    retry = plan_stage(pipeline_config(parse_pipeline_config(planned_on(changed, changed_mesh))),
+                                       stage_name, changed_mesh, topo, log, cost="none", memo=memo,
+                                       streamed=streamed)  # memory only
                 except (ConfigError, MeshError) as err:
                     log(f"    not possible: {err}")
                     continue
@@ -240,18 +247,6 @@ def stage_lowered(data: dict, stage: str, mesh: jax.sharding.Mesh, *, cost: str 
                               approx_cost=approx_cost, streamed=streamed)
 
 
-def _with_mesh(data: dict, mesh: dict[str, int] | None) -> dict:
-    """The preset with `--mesh` as its `[mesh]`, so that its checks of rows per data-parallel chip,
-    and every remedy's, hold against the mesh planned rather than the preset's own."""
-    return data if mesh is None else {**data, "mesh": {**data.get("mesh", {}), **mesh}}
-
-
-def _with_attention(data: dict, attention: str | None) -> dict:
-    if attention is None:
-        return data
-    return {**data, **{role: {**data.get(role, {}), "attention": attention} for role in ("teacher", "student")}}
-
-
 @_without_weights
 def largest_batch(data: dict, stage: str, topology_name: str, *, mesh: dict[str, int] | None = None,
                   num_slices: int = 1, memo: dict[str, dict] | None = None, doublings: int = 4,
@@ -267,7 +262,6 @@ def largest_batch(data: dict, stage: str, topology_name: str, *, mesh: dict[str,
     `plan` takes it): with the memo, only the unrolled twins compile again."""
     from .stages._config import parse_pipeline_config, pipeline_config
 
-    data = _with_mesh(data, mesh)
     topo = topology(topology_name, num_slices=num_slices)
     config = pipeline_config(parse_pipeline_config(data))
     mesh_shape = mesh or {"data": config.mesh.data, "fsdp": config.mesh.fsdp, "model": config.mesh.model}
@@ -287,8 +281,8 @@ def largest_batch(data: dict, stage: str, topology_name: str, *, mesh: dict[str,
         changed = json.loads(json.dumps(data))
         changed.setdefault(name, {})[key] = batch
         try:
-            return plan_stage(pipeline_config(parse_pipeline_config(changed)), stage, mesh_shape, topo, log,
-                              cost=cost, memo=memo, approx_cost=approx_cost, streamed=streamed)
+            return plan_stage(pipeline_config(parse_pipeline_config(planned_on(changed, mesh_shape))), stage,
+                              mesh_shape, topo, log, cost=cost, memo=memo, approx_cost=approx_cost, streamed=streamed)
         except (ConfigError, MeshError):
             return None
 
@@ -386,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     out = result.to_json()
     if args.largest_batch is not None:
         for stage in out["stages"]:
-            found = largest_batch(_with_attention(data, args.attention), stage["stage"], args.topology,
+            found = largest_batch(with_attention(data, args.attention), stage["stage"], args.topology,
                                   mesh=args.mesh, num_slices=args.num_slices, memo=memo,
                                   doublings=args.largest_batch, cost="none" if args.cost == "none" else "train step",
                                   approx_cost=args.approx_cost, streamed=args.streamed,

@@ -31,6 +31,7 @@ from ._driver import SimulatedFailure as SimulatedFailure
 from ._driver import StageResult as StageResult
 from ._driver import StageSpec as StageSpec
 from ._driver import drive as drive
+from ._driver import under_run_precision as under_run_precision
 from ._evaluate import Evaluation as Evaluation
 from ._evaluate import NFEPoint as NFEPoint
 from ._evaluate import Sample as Sample

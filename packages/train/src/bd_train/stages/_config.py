@@ -74,9 +74,9 @@ class RunSection:
     # JAX's precision of float32 matrix products in every stage (jax.default_matmul_precision).
     # "default" is float32 on a CPU but passes them through bfloat16 on a TPU (TF32 on recent
     # GPUs): there a replay of a rollout's trace then differs from the log-probs the sampler
-    # recorded by up to about 2% per token for a float32 model, against 8e-6 with "highest"
-    # (bench/trace_replay.py, BENCHMARKS.md), at several times the matmul cost. bfloat16
-    # compute rounds at bfloat16 whatever this says.
+    # recorded by up to about 2% per token for a float32 model of random weights, against 8e-6
+    # at "highest" (bench/trace_replay.py, BENCHMARKS.md), which computes float32 products in
+    # several bfloat16 passes. bfloat16 compute rounds at bfloat16 whatever this says.
     matmul_precision: str = "default"
 
     def __post_init__(self):

@@ -150,11 +150,23 @@ Result = TypeVar("Result")
 
 
 def under_run_precision(stage: Callable[Params, Result]) -> Callable[Params, Result]:
-    """`stage` (called as `stage(config, where, ...)`) with float32 matrix products at `[run]
-    matmul_precision`: its rollouts, replays, train steps and evaluation alike."""
+    """`stage` (a function of the run config `config`, first or by name, like `run_sft`) with
+    float32 matrix products at `[run] matmul_precision`: its rollouts, replays, train steps and
+    evaluation alike. A stage of your own gets it by this decorator too.
+
+    Example:
+        ```py
+        from bd_train.stages import under_run_precision
+
+        @under_run_precision
+        def run_my_stage(config, where, *, start):
+            ...
+        ```
+    """
     @functools.wraps(stage)
     def run(*args: Params.args, **kwargs: Params.kwargs) -> Result:
-        with jax.default_matmul_precision(pipeline_config(args[0]).run.matmul_precision):
+        config = kwargs["config"] if "config" in kwargs else args[0]
+        with jax.default_matmul_precision(pipeline_config(config).run.matmul_precision):
             return stage(*args, **kwargs)
 
     return run
