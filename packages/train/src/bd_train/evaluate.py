@@ -35,7 +35,7 @@ from bd_models import ModelConfig
 from ._checkpoint import CheckpointError
 from ._output_path import output_path_error
 from .stages._compat import check_task_fits
-from .stages._config import parse_pipeline_config
+from .stages._config import matmul_precision, parse_pipeline_config
 from .stages._errors import CanvasTooSmall
 from .stages._evaluate import evaluate_report, pass_at_k
 from .stages._intervals import bootstrap_interval, wilson_interval
@@ -170,7 +170,7 @@ def evaluate(checkpoint: str | Path, *, task: str | None = None, samples: int = 
         ```
     """
     run, model = load(checkpoint, task=task, n=n, config=config)
-    with jax.default_matmul_precision(run.config.run.matmul_precision):  # as the stage that made it
+    with matmul_precision(run.config.run.matmul_precision):  # as the stages that made it
         result = evaluate_report(model, run, key=jax.random.key(seed), samples=samples, thresholds=thresholds,
                                  timed=True, best_of=best_of)
     metrics = result.metrics()

@@ -27,11 +27,11 @@ from ._compat import check_distillation_pair as check_distillation_pair
 from ._config import PipelineConfig as PipelineConfig
 from ._config import parse_pipeline_config as parse_pipeline_config
 from ._config import pipeline_config as pipeline_config
+from ._config import under_run_precision as under_run_precision
 from ._driver import SimulatedFailure as SimulatedFailure
 from ._driver import StageResult as StageResult
 from ._driver import StageSpec as StageSpec
 from ._driver import drive as drive
-from ._driver import under_run_precision as under_run_precision
 from ._evaluate import Evaluation as Evaluation
 from ._evaluate import NFEPoint as NFEPoint
 from ._evaluate import Sample as Sample

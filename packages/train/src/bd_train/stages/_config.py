@@ -8,9 +8,14 @@ follow the tokenizer and the canvas, so teacher and student agree on them by con
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
+
+import jax
 
 from bd_core import ConfigError, config_error
 from bd_data import CanvasConfig, ChatTemplate, ChatTemplateError, load_chat_template
@@ -21,6 +26,12 @@ from ._sections import MeshSection, ModelSection, TaskSection, TokenizerSection
 from ._stage_sections import EvalSection, GRPOSection, OPDSection, RFTSection, SFTSection
 
 MATMUL_PRECISIONS = ("default", "high", "highest")
+
+
+def matmul_precision(precision: str) -> contextlib.AbstractContextManager:
+    """JAX's default matmul precision set to `precision` (`[run] matmul_precision`); "default"
+    leaves JAX's own setting alone, so its programs are those of a run without the key."""
+    return contextlib.nullcontext() if precision == "default" else jax.default_matmul_precision(precision)
 
 # What a stage's checkpoints pin (`[run] allow_changes` names fields under these).
 PINNED = ("identity", "training", "teacher", "teacher_weights", "rollout", "adapters", "start")
@@ -303,3 +314,30 @@ def _plain(data: Any) -> Any:
     if isinstance(data, (list, tuple)):
         return [_plain(v) for v in data]
     return data
+
+
+Params = ParamSpec("Params")
+Result = TypeVar("Result")
+
+
+def under_run_precision(stage: Callable[Params, Result]) -> Callable[Params, Result]:
+    """`stage` (a function of the run config `config`, first or by name, like `run_sft`) with
+    float32 matrix products at `[run] matmul_precision`: its rollouts, replays, train steps and
+    evaluation alike. A stage of your own gets it by this decorator too.
+
+    Example:
+        ```py
+        from bd_train.stages import under_run_precision
+
+        @under_run_precision
+        def run_my_stage(config, where, *, start):
+            ...
+        ```
+    """
+    @functools.wraps(stage)
+    def run(*args: Params.args, **kwargs: Params.kwargs) -> Result:
+        config = kwargs["config"] if "config" in kwargs else args[0]
+        with matmul_precision(pipeline_config(config).run.matmul_precision):
+            return stage(*args, **kwargs)
+
+    return run

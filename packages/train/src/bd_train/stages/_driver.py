@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -26,7 +25,7 @@ from .._checkpoint import CheckpointError
 from .._loop import run_updates
 from .._optim import applied_updates
 from .._watchdog import StallPolicy, watch_progress
-from ._config import pipeline_config
+from ._config import under_run_precision as under_run_precision  # the stages' decorator
 from ._evaluate import Evaluation, eval_examples, evaluate, evaluate_report
 from ._guard import Guard
 from ._intervals import gain_intervals
@@ -143,33 +142,6 @@ class StageResult:
 
 class SimulatedFailure(RuntimeError):
     """Raised on purpose after a saved step (`fail_after`), so that `resume` can be tested."""
-
-
-Params = ParamSpec("Params")
-Result = TypeVar("Result")
-
-
-def under_run_precision(stage: Callable[Params, Result]) -> Callable[Params, Result]:
-    """`stage` (a function of the run config `config`, first or by name, like `run_sft`) with
-    float32 matrix products at `[run] matmul_precision`: its rollouts, replays, train steps and
-    evaluation alike. A stage of your own gets it by this decorator too.
-
-    Example:
-        ```py
-        from bd_train.stages import under_run_precision
-
-        @under_run_precision
-        def run_my_stage(config, where, *, start):
-            ...
-        ```
-    """
-    @functools.wraps(stage)
-    def run(*args: Params.args, **kwargs: Params.kwargs) -> Result:
-        config = kwargs["config"] if "config" in kwargs else args[0]
-        with jax.default_matmul_precision(pipeline_config(config).run.matmul_precision):
-            return stage(*args, **kwargs)
-
-    return run
 
 
 def mesh_scope(mesh: jax.sharding.Mesh | None):
