@@ -79,6 +79,7 @@ def test_every_stage_compiles_for_v5e_with_exact_bytes_per_chip(smoke_plan):
         blocks, cap = config.canvas.max_new_tokens // config.canvas.block_size, config.canvas.block_size
         assert rollout["rows"] == rows and rollout["steps"] == blocks * cap
         assert rollout["bound"] == "bandwidth" and rollout["bandwidth_seconds"] > rollout["compute_seconds"]
+        assert rollout["read_seconds"] == pytest.approx(step["argument"] / CHIPS["v5e"].hbm_bandwidth)
         assert rollout["tokens_per_second_per_chip"] == pytest.approx(
             rows * config.canvas.block_size / cap / step["seconds"] / 4)
         assert rollout["batch_seconds"] == pytest.approx(step["seconds"] * blocks * cap)

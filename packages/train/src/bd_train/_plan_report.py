@@ -79,11 +79,13 @@ STEP_PARTS = ("train step", "reference scoring", "teacher forward")  # a step's 
 
 def rollout_cost(stage: StagePlan, chip: Chip, chips: int) -> dict[str, Any] | None:
     """The rollouts of `stage` costed from its compiled denoising step (None for a stage without
-    one): the step's estimated seconds, its bandwidth (bytes accessed / HBM bandwidth) and compute
-    (FLOPs / bf16 peak) bounds and which is larger, tokens per second per chip at the estimate and
-    at the roofline (tokens committed per step at least: rows x block / steps cap, over the
-    slice's chips), one rollout batch's seconds at its most steps (blocks x steps cap; a threshold
-    rule or rows that stop early take fewer: an upper bound), and that batch's share of the
+    one): the step's estimated seconds, its bandwidth (XLA's bytes accessed / HBM bandwidth) and
+    compute (FLOPs / bf16 peak) times and which is larger (their max, the estimate where the cost
+    model gives none, is no bound: XLA counts bytes a step does not move), the seconds to read its
+    arguments once (`read_seconds`: a lower bound), tokens per second per chip at the estimate and
+    at most (tokens committed per step at least: rows x block / steps cap, over the slice's chips),
+    one rollout batch's seconds at its most steps (blocks x steps cap; a threshold rule or rows
+    that stop early take fewer), and that batch's share of the
     stage's step (rollouts + reference scoring or teacher forward + train step), where each of
     those has an estimate."""
     step = next((p for p in stage.programs if p.rollout and p.seconds and p.flops is not None), None)
@@ -91,6 +93,7 @@ def rollout_cost(stage: StagePlan, chip: Chip, chips: int) -> dict[str, Any] | N
         return None
     bandwidth = (step.bytes_accessed or 0.0) / chip.hbm_bandwidth
     compute = step.flops / chip.peak_flops
+    read = step.argument / chip.hbm_bandwidth  # each argument read once at least: a true lower bound
     tokens = step.rollout["tokens_per_step"]
     batch = step.seconds * step.rollout["steps"]
     rest = [p.seconds for p in stage.programs if p.program in STEP_PARTS]
@@ -101,6 +104,7 @@ def rollout_cost(stage: StagePlan, chip: Chip, chips: int) -> dict[str, Any] | N
             "bound": "bandwidth" if bandwidth >= compute else "compute",
             "tokens_per_second_per_chip": tokens / step.seconds / chips,
             "roofline_tokens_per_second_per_chip": tokens / max(bandwidth, compute) / chips,
+            "read_seconds": read, "most_tokens_per_second_per_chip": tokens / max(read, compute) / chips,
             "steps": int(step.rollout["steps"]), "batch_seconds": batch, "share_of_step": share}
 
 
@@ -161,9 +165,11 @@ Columns (per chip; GiB = 2^30 bytes; nothing here ran on a TPU):
   gradient) / (est. s x bf16 peak); marked <=, an upper bound from a roofline time; empty without a time.
 - rollouts: one denoising step: the sampler's loop body alone (the block's noisy view of every row
   against the KV cache of the whole canvas, sampling, the commit): no loop, so XLA's count is its work.
-  Under the verdicts: its bandwidth (bytes accessed / HBM bandwidth) and compute (FLOPs / peak) bounds,
-  tokens/s per chip (rows x block / steps cap tokens per step, over the chips), and one rollout batch at
-  its most steps (blocks x steps cap) against the stage's other programs' estimated times.
+  Under the verdicts: its time from XLA's count, max(bytes accessed / HBM bandwidth, FLOPs / peak): an
+  estimate, not a bound (XLA counts bytes a step does not move: on a v5e chip such a step ran in 0.68x
+  of it); at least: the time to read its arguments (weights, KV cache) once; tokens/s per chip (rows x
+  block / steps cap tokens per step, over the chips), and one rollout batch at its most steps (blocks x
+  steps cap) against the stage's other programs' estimated times.
 Exit code: 0 every stage fits, 1 a stage does not fit, 2 an error."""
 
 
@@ -224,10 +230,12 @@ def _rollout_line(stage: str, r: dict[str, Any]) -> str:
     share = "" if r["share_of_step"] is None else (
         f", {100 * r['share_of_step']:.0f}% of the stage's estimated step (rollouts + "
         f"{'teacher forward' if stage == 'opd' else 'reference scoring'} + train step)")
-    est = (">= " if r["seconds_from"] == "roofline" else "") + f"{r['step_seconds']:.3g} s"
-    return (f"{stage}: rollouts: one denoising step of {r['rows']} rows: est. {est} (bandwidth bound "
-            f"{r['bandwidth_seconds']:.3g} s, compute bound {r['compute_seconds']:.3g} s: {r['bound']}-bound); "
-            f"{r['tokens_per_second_per_chip']:.3g} tokens/s per chip at the estimate, "
-            f"{r['roofline_tokens_per_second_per_chip']:.3g} at the roofline ({r['tokens_per_step']:.3g} tokens "
-            f"committed per step at least); one rollout batch (<= {r['steps']} steps): <= {r['batch_seconds']:.3g} s"
-            f"{share}")
+    est = f"{r['step_seconds']:.3g} s" + (" from XLA's count" if r["seconds_from"] == "roofline" else "")
+    least = "" if r.get("read_seconds") is None else (
+        f"; at least {r['read_seconds']:.3g} s to read its weights and KV cache once, so at most "
+        f"{r['most_tokens_per_second_per_chip']:.3g} tokens/s per chip")
+    return (f"{stage}: rollouts: one denoising step of {r['rows']} rows: est. {est} (bandwidth "
+            f"{r['bandwidth_seconds']:.3g} s, compute {r['compute_seconds']:.3g} s: {r['bound']}-bound){least}; "
+            f"{r['tokens_per_second_per_chip']:.3g} tokens/s per chip at the estimate ({r['tokens_per_step']:.3g} "
+            f"tokens committed per step at least); one rollout batch (<= {r['steps']} steps): est. "
+            f"{r['batch_seconds']:.3g} s{share}")
