@@ -55,3 +55,22 @@ def test_a_trace_of_undecodable_bytes_draws():
                     block_ids=np.array([2, 2]), first_block=2, num_blocks=1, block_size=4,
                     token_text=trace_text(tok), title="trace")
     assert _size(png)[0] > 0
+
+
+def test_a_wide_trace_shows_its_first_blocks_with_the_steps_that_decoded_them():
+    """Past `max_columns`, the picture keeps the first whole blocks and only their steps: its size
+    is that of the trace cut to them, whatever the completion's length."""
+    tok = ByteTokenizer()
+    block, blocks = 4, 32  # a 128-token completion, one token a step
+    steps = block * blocks
+    committed = np.zeros((steps, block), bool)
+    committed[np.arange(steps), np.arange(steps) % block] = True
+    tokens = np.full((steps, block), ord("7"))
+    block_ids = 3 + np.arange(steps) // block
+    kwargs = dict(tokens=tokens, step_valid=np.ones(steps, bool), first_block=3, block_size=block,
+                  token_text=trace_text(tok), title="trace")
+    wide = trace_png(committed=committed, block_ids=block_ids, num_blocks=blocks, max_columns=8, **kwargs)
+    cut = trace_png(committed=committed[:8], block_ids=block_ids[:8], num_blocks=2, max_columns=8,
+                    **{**kwargs, "tokens": tokens[:8], "step_valid": np.ones(8, bool)})
+    assert _size(wide) == _size(cut)
+    assert _size(cut)[0] < 1000
