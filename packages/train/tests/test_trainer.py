@@ -243,6 +243,9 @@ def test_a_donating_step_updates_the_state_in_place_with_the_same_result(toy_mod
 
 
 def test_a_donating_lora_step_keeps_the_frozen_base_its_reference_shares(batch_factory):
+    """The step neither donates the frozen base nor writes a copy of it: the new state holds the
+    very arrays the old one did, and the program's outputs are what it updates in place (a step
+    that returned its base wrote all of it again, a second copy on the chip, every step)."""
     from bd_models import LoRAConfig, add_lora, base_model
 
     config = ModelConfig(vocab_size=13, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32, block_size=2,
@@ -256,6 +259,11 @@ def test_a_donating_lora_step_keeps_the_frozen_base_its_reference_shares(batch_f
     assert all(not x.is_deleted() for x in jax.tree.leaves(eqx.filter(reference, eqx.is_array)))
     assert eqx.tree_equal(eqx.filter(base_model(new.model), eqx.is_array), eqx.filter(reference, eqx.is_array))
     assert all(x.is_deleted() for x in jax.tree.leaves(state.params))  # the adapters were donated
+    base = [x for x in jax.tree.leaves(eqx.filter(base_model(new.model), eqx.is_array))]
+    assert all(x is y for x, y in zip(base, jax.tree.leaves(eqx.filter(reference, eqx.is_array)), strict=True))
+    memory = trainer.lower(new, batch).compile().memory_analysis()
+    written = memory.output_size_in_bytes - memory.alias_size_in_bytes  # counters, key, metrics
+    assert written < sum(x.nbytes for x in base) / 4
 
 
 def test_an_async_save_keeps_its_values_when_the_next_step_donates_them(tmp_path, toy_model, batch_factory):

@@ -248,7 +248,7 @@ class Trainer:
 
         def program(dynamic, donated_dynamic):
             (kept, batch), donated = eqx.combine(dynamic, static), eqx.combine(donated_dynamic, donated_static)
-            return self._train_impl(_join_state(kept, donated), batch, is_update_step, False)
+            return self._train_donating((kept, batch, is_update_step, False), donated)
 
         return jax.jit(program, donate_argnums=1).lower(dynamic, donated_dynamic)
 
@@ -258,7 +258,8 @@ class Trainer:
                              "TrainerConfig(streaming=True) and call init() again")
         if self.config.donate:
             kept, donated = _split_state(state)
-            state, metrics = self._train((kept, batch, is_update_step, presplit), _unshared(donated, kept))
+            rest, donated, metrics = self._train((kept, batch, is_update_step, presplit), _unshared(donated, kept))
+            state = _join_state(_with(rest, model=kept.model), donated)
         else:
             state, metrics = self._train_kept(state, batch, is_update_step, presplit)
         if is_update_step:
@@ -273,8 +274,14 @@ class Trainer:
         return state, metrics
 
     def _train_donating(self, kept_and_batch: tuple[Any, Any, bool, bool], donated: Any):
+        """The step on the state's two halves; returns the new state's counters and key, what it
+        donated, updated, and the metrics. The kept model (a LoRA model's frozen base) is not an
+        output: a program that returns an argument it does not donate writes a copy of it (the
+        whole base, every step), so the caller puts the one it passed back in."""
         kept, batch, is_update_step, presplit = kept_and_batch
-        return self._train_impl(_join_state(kept, donated), batch, is_update_step, presplit)
+        state, metrics = self._train_impl(_join_state(kept, donated), batch, is_update_step, presplit)
+        rest, donated = _split_state(state)
+        return _with(rest, model=None), donated, metrics
 
     def _stack(self, batch: Any, presplit: bool) -> Any:
         if presplit:
