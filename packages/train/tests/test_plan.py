@@ -112,9 +112,24 @@ def test_every_stage_compiles_for_v5e_with_exact_bytes_per_chip(smoke_plan):
     # The student's held-out decoding is one program in every stage: compiled once, its figures reused.
     assert done.stderr.count("compiled sft-student: held-out decoding (") == 1
     decoding = programs[("sft-student", "held-out decoding")]
+    own = lambda p: {k: v for k, v in p.items() if k not in ("stage", "resident", "peak")}  # noqa: E731
     for stage in ("opd", "grpo"):
         assert f"{stage}: held-out decoding: compiled before" in done.stderr
-        assert programs[(stage, "held-out decoding")] == decoding | {"stage": stage}
+        assert own(programs[(stage, "held-out decoding")]) == own(decoding)
+    # What each stage holds beside a program (logical bytes of the other programs' arguments).
+    step, teacher = programs[("opd", "train step")], programs[("opd", "teacher forward")]
+    state = step["params"] + step["optimizer"]
+    assert 0 < step["resident"] < teacher["params"]  # the teacher, less the LM head the step takes
+    assert programs[("opd", "rollouts")]["resident"] == step["optimizer"] + teacher["params"]
+    assert teacher["resident"] == state
+    assert programs[("opd", "held-out decoding")]["resident"] == step["optimizer"] + teacher["params"]
+    grpo = programs[("grpo", "train step")]  # smoke's GRPO: full fine-tuning, beta > 0: a reference copy
+    assert grpo["resident"] == grpo["params"] == programs[("grpo", "reference scoring")]["params"]
+    assert programs[("grpo", "reference scoring")]["resident"] == grpo["params"] + grpo["optimizer"]
+    for (stage, name), p in programs.items():
+        assert p["peak"] == p["argument"] + p["output"] - p["alias"] + p["temp"] + p["code"] + p["resident"]
+        if stage.startswith("sft-"):
+            assert p["resident"] == (0 if name == "train step" else programs[(stage, "train step")]["optimizer"])
 
 
 def test_splash_attention_compiles_for_tpu_with_its_kernels_costed(tmp_path, smoke_plan):
@@ -196,11 +211,15 @@ def test_the_verdict_compares_against_the_hbm_libtpu_lets_a_program_use():
     assert not between.stages[0].fits and _one_stage_plan(_program(int(15.7 * GiB))).stages[0].fits
     text = format_plan(between)
     assert "grpo: peak 15.90 GiB of 15.75 GiB usable per chip: DOES NOT FIT" in text
-    assert "| grpo | train step | 5.30 | 10.60 | 15.90 | 0.00 | 0.00 | 0.0 | 15.90 | 101% |  |  |  |" in text
+    assert "| grpo | train step | 5.30 | 10.60 | 15.90 | 0.00 | 0.00 | 0.0 | 0.00 | 15.90 | 101% |  |  |  |" in text
     refused = _program(int(2 * GiB), temp=int(20 * GiB), memory_from="logical", required=int(22 * GiB),
                        refused="RESOURCE_EXHAUSTED: Ran out of memory on HBM")
-    assert "| 2.00 (logical) | 0.00 (logical) | 20.00 (rest) | 0.0 | 22.00 | 140% |" in format_plan(
+    assert "| 2.00 (logical) | 0.00 (logical) | 20.00 (rest) | 0.0 | 0.00 | 22.00 | 140% |" in format_plan(
         _one_stage_plan(refused))
+    # A program that fits alone does not beside what the stage holds (an OPD teacher's weights).
+    beside = _one_stage_plan(_program(int(12 * GiB), resident=int(4 * GiB)))
+    assert not beside.stages[0].fits and beside.stages[0].peak == 16 * GiB
+    assert "| 12.00 | 0.00 | 0.00 | 0.0 | 4.00 | 16.00 | 102% |" in format_plan(beside)
     costed = _program(GiB, flops=2e12, bytes_accessed=1e9, seconds=0.02, seconds_from="roofline", model_flops=1e12)
     assert "| 2 | >= 0.02 | <= 25% |" in format_plan(_one_stage_plan(costed))
 

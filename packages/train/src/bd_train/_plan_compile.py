@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from bd_models import unroll_layers
+from bd_models import ModelConfig, model_flops, unroll_layers
 
 COSTED = ("flops", "bytes accessed", "optimal_seconds")  # what a plan reads of XLA's cost analysis
 
@@ -126,3 +126,13 @@ def twin_cost(twin: Twin, memo: dict[str, Any] | None) -> dict[str, float]:
     if min(two.get("optimal_seconds", -1.0), three.get("optimal_seconds", -1.0)) <= 0:
         cost["optimal_seconds"] = -1.0
     return cost
+
+
+def splash_flops(config: ModelConfig, tokens: tuple[int, int], passes: int, chips: int) -> float:
+    """FLOPs per chip of `attention="splash"`'s kernels over `tokens` (rows, length), `passes` 1 for
+    a forward and 3 for a train step, counted as dense attention over every (query, key) pair: an
+    upper bound, as the kernels skip the tiles a row's mask leaves empty. 0 for other attentions,
+    whose FLOPs XLA counts itself."""
+    if config.attention != "splash":
+        return 0.0
+    return passes * model_flops(config, tokens)["attention_forward"] / chips

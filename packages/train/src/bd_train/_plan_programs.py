@@ -33,7 +33,8 @@ from ._accumulate import map_rows
 from ._grpo import GRPOBatch, distribution_score, make_grpo_loss
 from ._opd import OPDConfig, make_opd_loss, teacher_head
 from ._optim import make_optimizer
-from ._plan_compile import Twin, figures, twin, twin_cost
+from ._plan_compile import Twin, figures, splash_flops, twin, twin_cost
+from ._plan_resident import held_beside
 from ._plan_shapes import bytes_per_chip, check_rows, diffusion_batch, model_maker, place_batch, place_state, sds
 from ._replay import replay_capacity
 from ._sft import sft_objective
@@ -81,6 +82,8 @@ class ProgramPlan:
         extrapolated: True where `flops`, `bytes_accessed` and `seconds` come from twins of 2 and 3
             layers extrapolated to the model's layers (`approx_cost`), not a twin with every layer
             unrolled: the FLOPs within 1%, the rest approximations.
+        resident: bytes per chip the stage holds beside the program, not among its arguments (the
+            OPD teacher's weights beside the student's programs, ...: `_plan_resident`).
     """
 
     stage: str
@@ -103,14 +106,15 @@ class ProgramPlan:
     required: int | None = None  # a refused program's total, as the compiler's message names it
     rollout: dict[str, int | float] | None = None  # one denoising step: rows, tokens_per_step, steps
     extrapolated: bool = False  # flops, bytes_accessed, seconds from the 2- and 3-layer twins
+    resident: int = 0  # what the stage holds beside the program (`_plan_resident`)
 
     @property
     def peak(self) -> int:
-        """Bytes live at once on a chip: inputs, outputs (less what they alias), temporaries, code;
-        for a refused program, the total the compiler named."""
+        """Bytes live at once on a chip: inputs, outputs (less what they alias), temporaries, code
+        (for a refused program, the total the compiler named), and what the stage holds beside."""
         if self.required is not None:
-            return self.required
-        return self.argument + self.output - self.alias + self.temp + self.code
+            return self.required + self.resident
+        return self.argument + self.output - self.alias + self.temp + self.code + self.resident
 
     def estimates(self, peak_flops: float, *, less: str = "<= ", more: str = ">= ") -> tuple[str, str]:
         """The estimated seconds and MFU as shown: `more` before a time that is the roofline's lower
@@ -147,16 +151,7 @@ class _Program:
     cost: Twin | None = None
     kernel_flops: float = 0.0
     rollout: dict[str, int | float] | None = None
-
-
-def splash_flops(config: ModelConfig, tokens: tuple[int, int], passes: int, chips: int) -> float:
-    """FLOPs per chip of `attention="splash"`'s kernels over `tokens` (rows, length), `passes` 1 for
-    a forward and 3 for a train step, counted as dense attention over every (query, key) pair: an
-    upper bound, as the kernels skip the tiles a row's mask leaves empty. 0 for other attentions,
-    whose FLOPs XLA counts itself."""
-    if config.attention != "splash":
-        return 0.0
-    return passes * model_flops(config, tokens)["attention_forward"] / chips
+    resident: int = 0
 
 
 def _train_programs(stage: str, trainer: Trainer, maker: Callable[[int | None], Callable[[], Any]], batch: Any,
@@ -275,8 +270,9 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
         maker = functools.partial(model_maker, run, role, "sft")
         programs = _train_programs(stage, trainer, maker, diffusion_batch(sft.batch_size, length), mesh, model_config,
                                    (sft.batch_size, length), sft.microbatches, cost, approx_cost, streamed)
-        return programs + [_sampler_program(stage, "held-out decoding", maker(None), eval_sampler, eval_rows,
-                                            canvas.prompt_len, mesh)]
+        programs.append(_sampler_program(stage, "held-out decoding", maker(None), eval_sampler, eval_rows,
+                                         canvas.prompt_len, mesh))
+        return _holding(programs, lora=has_adapters(eqx.filter_eval_shape(maker(None))))
     student = run.model_config("student")
     section = cfg.opd if stage == "opd" else cfg.grpo
     sampler = run.sampler_config(section.sampler)
@@ -309,7 +305,8 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
         loss = make_opd_loss(OPDConfig(temperature=section.kl_temperature, hard_ce_weight=section.hard_ce_weight,
                                        positions=section.positions, mask_id=run.tokenizer.mask_id))
         features = sds((rows, length, teacher_config.d_model), teacher_config.compute_dtype, held)
-        batch = DistillationBatch(replay, teacher_features=features, teacher_head=teacher_head(placed))
+        head = teacher_head(placed)
+        batch = DistillationBatch(replay, teacher_features=features, teacher_head=head)
     else:
         distribution = sampler.distribution
         ref = sds((rows, length), jnp.float32) if section.beta > 0 else None
@@ -329,7 +326,15 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
                                 cost, approx_cost, streamed)
     programs.append(_sampler_program(stage, "held-out decoding", make, eval_sampler, eval_rows, canvas.prompt_len,
                                      mesh))
-    return programs
+    lora = has_adapters(eqx.filter_eval_shape(make))
+    if stage == "opd":
+        return _holding(programs, lora=lora, teacher=placed, head=head)
+    return _holding(programs, lora=lora, reference=section.beta > 0)
+
+
+def _holding(programs: list[_Program], **stage: Any) -> list[_Program]:
+    held = held_beside(programs[0].stage, programs, **stage)
+    return [dataclasses.replace(p, resident=held[p.program]) for p in programs]
 
 
 def _refused(program: _Program, message: str) -> ProgramPlan:
@@ -361,7 +366,7 @@ def _refused(program: _Program, message: str) -> ProgramPlan:
     temp = max(0, required - (argument + output - alias))
     return ProgramPlan(program.stage, program.program, argument, output, alias, temp, 0, program.params,
                        program.optimizer, None, None, None, "", program.model_flops, refused=line,
-                       memory_from="logical", required=required)
+                       memory_from="logical", required=required, resident=program.resident)
 
 
 def compile_program(program: _Program, chip: Any, memo: dict[str, Any] | None = None) -> ProgramPlan:
@@ -391,4 +396,5 @@ def compile_program(program: _Program, chip: Any, memo: dict[str, Any] | None = 
         flops = accessed = None
     return ProgramPlan(program.stage, program.program, *read.memory, program.params, program.optimizer, flops,
                        accessed, seconds, source, program.model_flops, kernel_flops=program.kernel_flops,
-                       rollout=program.rollout, extrapolated=program.cost is not None and program.cost.extrapolated)
+                       rollout=program.rollout, extrapolated=program.cost is not None and program.cost.extrapolated,
+                       resident=program.resident)

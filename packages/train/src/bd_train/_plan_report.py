@@ -153,8 +153,12 @@ Columns (per chip; GiB = 2^30 bytes; nothing here ran on a TPU):
   TPU tiles (so arguments may exceed params + optimizer); outputs count only the buffers that do not reuse
   a donated argument's. Marked (logical): a program the compiler refuses, whose arguments and outputs are
   the logical bytes of their shapes; its temp, marked (rest), is the rest of the total the compiler named.
-- peak GiB: arguments + outputs + temp + code, or a refused program's total as the compiler named it;
-  % of usable HBM: of the HBM libtpu lets one program use, which the verdicts compare against.
+- held beside GiB: what the stage holds on the chip while the program runs that is not among its
+  arguments: the OPD teacher's weights beside the student's programs (less the LM head its train step
+  takes), the optimizer state beside the rollouts, the train state beside the teacher's forward and the
+  held-out decoding of the merged model, GRPO's reference copy in full fine-tuning; logical bytes.
+- peak GiB: arguments + outputs + temp + code (or a refused program's total as the compiler named it) +
+  held beside; % of usable HBM: of the HBM libtpu lets one program use, which the verdicts compare against.
 - TFLOP/chip, est. s: XLA's FLOPs and its cost model's time (estimates, not timings) for a twin of the
   program with its layer loop unrolled; marked ~ (`--approx-cost`), extrapolated from twins of 2 and 3
   layers: FLOPs within 1% of the unrolled twin's, time an approximation (4% to 22% above it for
@@ -183,8 +187,8 @@ def format_plan(result: Plan) -> str:
              f"{result.mesh}; per chip: {result.hbm / GiB:.0f} GiB HBM, of which libtpu lets a program use "
              f"{result.usable_hbm / GiB:.2f} GiB; {result.peak_flops / 1e12:.0f} TFLOP/s bf16",
              "", "| stage | program | params GiB | optimizer GiB | arguments GiB | outputs GiB | temp GiB | code MiB | "
-             "peak GiB | % of usable HBM | TFLOP/chip | est. s | est. MFU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "held beside GiB | peak GiB | % of usable HBM | TFLOP/chip | est. s | est. MFU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for stage in result.stages:
         for p in stage.programs:
             seconds, mfu = p.estimates(result.peak_flops)
@@ -192,7 +196,7 @@ def format_plan(result: Plan) -> str:
             flops = "" if p.flops is None else f"{p.flops / 1e12:.3g}"
             lines.append(f"| {p.stage} | {p.program} | {gib(p.params)} | {gib(p.optimizer)} | "
                          f"{gib(p.argument)}{logical} | {gib(p.output - p.alias)}{logical} | {gib(p.temp)}{rest} | "
-                         f"{p.code / 2**20:.1f} | "
+                         f"{p.code / 2**20:.1f} | {gib(p.resident)} | "
                          f"{gib(p.peak)} | {100 * p.peak / result.usable_hbm:.0f}% | {flops} | {seconds} | {mfu} |")
     lines.append("")
     for stage in result.stages:
