@@ -84,3 +84,32 @@ def test_a_devices_chip_is_read_from_its_kind():
     v5e, v6e = device_chip(kind("TPU v5 lite")), device_chip(kind("TPU v6 lite"))
     assert (v5e.name, v5e.hbm_bandwidth, v5e.peak_flops) == ("v5e", 819e9, 197e12) and v6e.name == "v6e"
     assert device_chip(jax.devices("cpu")[0]) is None and device_chip(kind("NVIDIA H200")) is None
+
+
+def test_stages_on_device_writes_a_loadable_checkpoint_and_renders_a_failed_stage(tmp_path):
+    """`bench/stages_on_device.py`'s parts that need no accelerator: the random checkpoint of the
+    preset's layout (toy sizes here) reads back with its tokenizer's special tokens; the chain's
+    preset parses; a stage that ran out of memory is a row of the table, not a lost result."""
+    import tomllib
+
+    import stages_on_device as sod
+
+    from bd_models import from_pretrained
+    from bd_train.stages import parse_pipeline_config, pipeline_config
+
+    preset = tomllib.loads(sod.ONE_CHIP.read_text())
+    raw = sod.write_checkpoint(preset, tmp_path / "checkpoint", shrink=True)
+    model = from_pretrained(tmp_path / "checkpoint")
+    assert model.config.vocab_size == sod.SHRUNK["vocab_size"] and model.config.n_layers == 2
+    assert raw["mask_token_id"] == 287 and raw["eos_token_id"] == 289  # the ChatML fixture's ids
+    data = sod.chain_preset(preset, tmp_path / "checkpoint", tmp_path / "runs", steps=3, eval_n=8)
+    config = pipeline_config(parse_pipeline_config(data))
+    assert (config.sft.steps, config.grpo.steps, config.eval.n) == (3, 3, 8)
+    assert config.opd.microbatches == preset["opd"]["microbatches"]  # the preset's batches are kept
+    run = {"sft-teacher": {"first_step_s": 20.0, "step_s": 0.6, "updates": 3, "eval_s": 30.0, "nfe_per_token": 1.0},
+           "peak_bytes": 15 * 2**30}
+    run["sft-student"] = run["sft-teacher"]
+    table = sod.table({"sft": run, "opd": {"failed": "ValueError: RESOURCE_EXHAUSTED", "peak_bytes": None},
+                       "plan": {"sft-teacher": {"peak": 11 * 2**30, "train_step_s": 0.36}}})
+    assert "| sft-teacher | 20.0 | 0.60 | 0.36 | 30.0 | 1.00 | 15.00 | 11.00 |" in table
+    assert "| opd | failed: ValueError: RESOURCE_EXHAUSTED |" in table

@@ -224,6 +224,23 @@ def test_the_verdict_compares_against_the_hbm_libtpu_lets_a_program_use():
     assert "| 2 | >= 0.02 | <= 25% |" in format_plan(_one_stage_plan(costed))
 
 
+def test_a_stage_too_large_is_offered_half_its_held_out_decodings_rows():
+    """OPD on one chip: the held-out decoding, beside the teacher and the LoRA state, is the peak,
+    which neither microbatches nor remat touch; halving its rows does. Not below one row per
+    data-parallel chip."""
+    from bd_train._plan_remedies import remedies_for
+
+    config = {"eval": {"n": 512, "batch_size": 64}, "opd": {"prompts_per_step": 16, "microbatches": 4}}
+    offered = [d for d, _, _ in remedies_for(config, "opd", {"data": 1, "fsdp": 1, "model": 1}, 1.1)]
+    assert "[eval] batch_size = 32" in offered
+    halved = next(c for d, c, _ in remedies_for(config, "opd", {"data": 1, "fsdp": 1, "model": 1}, 1.1)
+                  if d.startswith("[eval]"))
+    assert halved["eval"] == {"n": 512, "batch_size": 32} and config["eval"]["batch_size"] == 64
+    small = {**config, "eval": {"n": 12, "batch_size": 64}}  # 12 problems over 8 chips: 6 rows is too few
+    assert not any(d.startswith("[eval]") for d, _, _ in remedies_for(small, "opd", {"data": 8, "fsdp": 1,
+                                                                                       "model": 1}, 1.1))
+
+
 def test_the_exit_codes_are_documented():
     import bd_train.plan
 

@@ -37,7 +37,11 @@ def planned_on(config: dict, mesh: dict[str, int]) -> dict:
 def remedies_for(config: dict, stage: str, mesh: dict[str, int], over: float) -> list[tuple[str, dict, dict[str, int]]]:
     """Single changes that cut a stage's memory, as (description, changed config data, mesh), for
     a stage `over` times too large: more microbatches (the smallest count that might fit, then
-    twice it), remat `full`, `fsdp` over the data axis, LoRA."""
+    twice it), remat `full`, half the held-out decoding's rows (its temporaries, where the stage
+    holds a teacher and a LoRA model's train state beside them, can be the stage's peak), `fsdp`
+    over the data axis, LoRA."""
+    from .stages._stage_sections import EvalSection
+
     role = stage.removeprefix("sft-") if stage.startswith("sft-") else "student"
     out = []
 
@@ -53,6 +57,10 @@ def remedies_for(config: dict, stage: str, mesh: dict[str, int], over: float) ->
         out.append((f"[{name}] microbatches = {more}", changed(name, microbatches=more), mesh))
     if config.get(role, {}).get("remat", "elementwise") != "full":
         out.append((f'[{role}] remat = "full"', changed(role, remat="full"), mesh))
+    evaluation = config.get("eval", {})
+    rows = min(evaluation.get("batch_size", EvalSection.batch_size), evaluation.get("n", EvalSection.n))
+    if rows // 2 >= mesh["data"] * mesh["fsdp"]:
+        out.append((f"[eval] batch_size = {rows // 2}", changed("eval", batch_size=rows // 2), mesh))
     if mesh["data"] > 1:
         folded = {"data": 1, "fsdp": mesh["data"] * mesh["fsdp"], "model": mesh["model"]}
         out.append((f"[mesh] fsdp = {folded['fsdp']}, data = 1", config, folded))

@@ -19,13 +19,14 @@ under the table says what each column is. OPD's and GRPO's rollouts are costed f
 the sampler's denoising loop, compiled alone: its time, its bandwidth and compute bounds, tokens
 per second per chip, and one rollout batch's share of the stage's step. Once the compiler refuses
 one of a stage's programs, the stage's later programs are not compiled (it cannot fit), and it is
-re-planned with single changes — remat `full`, more microbatches, `fsdp` over the data axis,
-LoRA — and the first that fits is named; `--largest-batch [N]` also finds each stage's largest
-batch per step that fits, among the configured one times 2^k, k <= N (default 4), and costs the
-stage's train step at it (unless `--cost none`). No weights or data are read: model shapes come
-from the preset or a pretrained checkpoint's config.json (a Hub repo id fetches its config and
-tokenizer files only), data shapes from the canvas. A stage's programs and cost twins compile two
-at a time on threads (`BDLM_PLAN_THREADS`; 1 halves the extra memory, at about 1.3x the time).
+re-planned with single changes — more microbatches, remat `full`, half the held-out decoding's
+rows, `fsdp` over the data axis, LoRA — and the first that fits is named; `--largest-batch [N]`
+also finds each stage's largest batch per step that fits, among the configured one times 2^k,
+k <= N (default 4), and costs the stage's train step at it (unless `--cost none`). No weights or
+data are read: model shapes come from the preset or a pretrained checkpoint's config.json (a Hub
+repo id fetches its config and tokenizer files only), data shapes from the canvas. A stage's
+programs and cost twins compile two at a time on threads (`BDLM_PLAN_THREADS`; 1 halves the extra
+memory, at about 1.3x the time).
 
 Exit codes: 0 every stage planned fits; 1 a stage does not fit (or the compiler refuses one of its
 programs); 2 an error (an unreadable preset, an invalid config, mesh or topology, libtpu missing).
