@@ -333,7 +333,7 @@ def stage_programs(run: Any, stage: str, mesh: jax.sharding.Mesh, *, cost: str =
 
 
 def _holding(programs: list[_Program], **stage: Any) -> list[_Program]:
-    held = held_beside(programs[0].stage, programs, **stage)
+    held = held_beside(programs, **stage)
     return [dataclasses.replace(p, resident=held[p.program]) for p in programs]
 
 

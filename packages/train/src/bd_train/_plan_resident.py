@@ -24,9 +24,9 @@ from typing import Any
 from ._plan_shapes import bytes_per_chip
 
 
-def held_beside(stage: str, programs: list[Any], *, lora: bool, teacher: Any = None, head: Any = None,
+def held_beside(programs: list[Any], *, lora: bool, teacher: Any = None, head: Any = None,
                 reference: bool = False) -> dict[str, int]:
-    """`{program name: bytes per chip held beside it}` for `programs` (`_Program`s of `stage`, with
+    """`{program name: bytes per chip held beside it}` for `programs` (`_Program`s of one stage, with
     a "train step"); `teacher`/`head`: OPD's placed teacher and its head as the step takes it;
     `reference`: GRPO keeps a copy of the starting weights as its KL reference."""
     step = next(p for p in programs if p.program == "train step")
