@@ -147,7 +147,8 @@ def write_table(results: dict) -> None:
                       f"restoring the finished stages included), evaluated on {result['eval_n']} problems; jax "
                       f"{result['jax']}. Steady step: (the stage's training time - its first step) / (steps - 1); "
                       "for OPD and GRPO it holds the rollouts, scoring and update of a step, the plan's figure the "
-                      "update alone. Planned: the figures of the plan given (`--plan`), each program alone."
+                      "update alone. Planned: the plan given (`--plan`): a stage's largest program with what the stage "
+                      "holds beside it (blank times: planned with `--cost none`)."
                       + (f" Code: {result['code']}." if result.get("code") else "") + "\n\n" + table(result),
                       measured_on=result.get("machine"))
 

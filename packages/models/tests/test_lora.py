@@ -27,7 +27,7 @@ from bd_models import (
     weights_digest,
     with_dropout_keys,
 )
-from bd_models._lora import TARGETS
+from bd_models._lora import TARGETS, _fold
 
 CONFIG = ModelConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=128, block_size=4,
                      q_tile=16, k_tile=16)
@@ -115,6 +115,27 @@ def test_bfloat16_base_keeps_float32_adapters_and_merges_to_its_dtype(layouts):
     assert merge(adapted).layers.wq.dtype == jnp.bfloat16
     layout = layouts(0).layout
     np.testing.assert_array_equal(np.asarray(_logits(adapted, layout)), np.asarray(_logits(model, layout)))
+
+
+def test_merge_folds_each_matrix_in_one_program_bit_for_bit_keeping_its_shards():
+    adapted = _trained(add_lora(_model(CONFIG.replace(param_dtype="bfloat16")), ALL, key=jax.random.key(1)))
+    # the definition, op by op: float32 sum, rounded once to the base's dtype
+    want = {t: (getattr(adapted.layers, t).base.astype(jnp.float32) + getattr(adapted.layers, t).delta())
+            .astype(jnp.bfloat16) for t in TARGETS}
+    merged = merge(adapted)
+    for t in TARGETS:
+        np.testing.assert_array_equal(np.asarray(getattr(merged.layers, t)), np.asarray(want[t]))
+    # compiled, the float32 arithmetic is fused: at most one float32 copy of the stacked matrix
+    w = adapted.layers.w_up
+    analysis = _fold.lower(w.base, w.lora_a, w.lora_b, scale=w.scale, sharding=None).compile().memory_analysis()
+    assert analysis.temp_size_in_bytes <= w.base.size * 4
+    mesh = make_mesh(2, 2, 2)
+    with jax.set_mesh(mesh):
+        base = shard_model(adapted, mesh)
+        placed = merge(base)
+    for t in TARGETS:
+        assert getattr(placed.layers, t).sharding == getattr(base.layers, t).base.sharding
+        np.testing.assert_array_equal(np.asarray(getattr(placed.layers, t)), np.asarray(want[t]))
 
 
 def test_weights_digest_sees_one_changed_element_of_the_base_only():

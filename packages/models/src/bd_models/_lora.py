@@ -22,6 +22,7 @@ are stacked, so every array carries the leading layer axis `L` and the scan slic
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Mapping
 from typing import Any
@@ -218,8 +219,28 @@ def base_model(model: Any) -> Any:
 
 def merge(model: Any) -> Any:
     """Adapters folded into their base matrices, `W + s · A B` (float32, then `W`'s dtype); a
-    model without adapters is returned as it is."""
-    return _map_lora(lambda w: (w.base.astype(jnp.float32) + w.delta()).astype(w.base.dtype), model)
+    model without adapters is returned as it is.
+
+    One compiled program per adapted matrix, so XLA fuses the float32 arithmetic into the result
+    (on a TPU it needs no temporaries at all). Op by op, each stacked `[L, in, out]` matrix took
+    three float32 copies of itself, and asynchronous dispatch let them pile up across matrices: on
+    a TPU chip the merge of a 1.7B model peaked 4.5 GiB above the merged weights it made. Each
+    result keeps its base's sharding."""
+    return _map_lora(_merged, model)
+
+
+def _merged(w: LoRAWeight) -> Array:
+    sharding = w.base.sharding if isinstance(getattr(w.base, "sharding", None), jax.sharding.NamedSharding) else None
+    return _fold(w.base, w.lora_a, w.lora_b, scale=w.scale, sharding=sharding)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sharding"))
+def _fold(base: Array, lora_a: Array, lora_b: Array, *, scale: float,
+          sharding: jax.sharding.NamedSharding | None) -> Array:
+    """`base + scale · lora_a lora_b` in float32, rounded once to `base`'s dtype."""
+    delta = scale * jnp.matmul(lora_a.astype(jnp.float32), lora_b.astype(jnp.float32))
+    out = (base.astype(jnp.float32) + delta).astype(base.dtype)
+    return out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
 
 
 def with_dropout_keys(model: Any, key: Array) -> Any:
