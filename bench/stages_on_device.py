@@ -93,6 +93,7 @@ def run_stage(data: dict, until: str) -> dict:
         metrics = evaluation.metrics() if evaluation is not None else {}
         out[name] = {"first_step_s": s["first"], "step_s": steady, "updates": int(s["updates"]),
                      "eval_s": s["eval"], "nfe_per_token": metrics.get("nfe_per_token"),
+                     "memory": results[name].memory,  # the allocator at the stage's phases
                      "last": {k: v for k, v in results[name].history[-1].items() if isinstance(v, float)}}
     return out | _device(jax)
 
@@ -116,8 +117,8 @@ def planned(plan: Path | None) -> dict:
 
 def table(result: dict) -> str:
     rows = ["| stage | first step (compile included) s | steady step s | planned train step s | evaluation s "
-            "| NFE per token | peak GiB in the stage's process | planned peak GiB |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| NFE per token | peak GiB in the stage's process | planned peak GiB | peak reached in |",
+            "|---|---|---|---|---|---|---|---|---|"]
     plan = result.get("plan", {})
     for until, names in STAGES.items():
         run = result.get(until)
@@ -126,7 +127,7 @@ def table(result: dict) -> str:
         if "failed" in run:
             peak = f"{run['peak_bytes'] / GiB:.2f}" if run.get("peak_bytes") else ""
             at = f" ({run['at']})" if run.get("at") else ""
-            rows.append(f"| {' and '.join(names)} | failed{at}: {run['failed']} |  |  |  |  | {peak} |  |")
+            rows.append(f"| {' and '.join(names)} | failed{at}: {run['failed']} |  |  |  |  | {peak} |  |  |")
             continue
         for name in names:
             r, p = run[name], plan.get(name, {})
@@ -134,8 +135,14 @@ def table(result: dict) -> str:
             nfe = f"{r['nfe_per_token']:.2f}" if r.get("nfe_per_token") is not None else ""
             plan_peak = f"{p['peak'] / GiB:.2f}" if p else ""
             rows.append(f"| {name} | {r['first_step_s']:.1f} | {r['step_s']:.2f} | {train_s} | {r['eval_s']:.1f} | "
-                        f"{nfe} | {(run['peak_bytes'] or 0) / GiB:.2f} | {plan_peak} |")
+                        f"{nfe} | {(run['peak_bytes'] or 0) / GiB:.2f} | {plan_peak} | {_peaked_in(r.get('memory'))} |")
     return "\n".join(rows)
+
+
+def _peaked_in(memory: dict | None) -> str:
+    from bd_train.stages._memory import peaked_in  # no device is touched: the parent leaves it to the children
+
+    return peaked_in(memory) or ""
 
 
 def write_table(results: dict) -> None:
@@ -148,7 +155,9 @@ def write_table(results: dict) -> None:
                       f"{result['jax']}. Steady step: (the stage's training time - its first step) / (steps - 1); "
                       "for OPD and GRPO it holds the rollouts, scoring and update of a step, the plan's figure the "
                       "update alone. Planned: the plan given (`--plan`): a stage's largest program with what the stage "
-                      "holds beside it (blank times: planned with `--cost none`)."
+                      "holds beside it (blank times: planned with `--cost none`). Peak reached in: the first of the "
+                      "stage's phases (`StageResult.memory`: state, first update, trained, merged, evaluated) whose "
+                      "allocator peak is the stage's (blank: measured before the stages recorded them)."
                       + (f" Code: {result['code']}." if result.get("code") else "") + "\n\n" + table(result),
                       measured_on=result.get("machine"))
 

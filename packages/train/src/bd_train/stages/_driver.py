@@ -29,6 +29,7 @@ from ._config import under_run_precision as under_run_precision  # the stages' d
 from ._evaluate import Evaluation, eval_examples, evaluate, evaluate_report
 from ._guard import Guard
 from ._intervals import gain_intervals
+from ._memory import MemoryLog
 from ._plots import curves_png
 from ._run import Run, StageError, committed, open_checkpoints
 from ._tracking import Tracker
@@ -122,6 +123,9 @@ class StageResult:
     # (the first, which compiles) and `eval` seconds; `(train - first) / (updates - 1)` is the
     # compiled update's time.
     seconds: dict[str, float] | None = None
+    # The accelerator's memory at the stage's phases (`state`, `first update`, `trained`, `merged`,
+    # `evaluated`): `{phase: {"in_use_gib", "peak_gib"}}`; None where the backend keeps no statistics.
+    memory: dict[str, dict[str, float]] | None = None
     # The evaluation's paired change over the model the stage started from: {"over": its stage,
     # "metrics": {"accuracy": Interval.to_dict(), "mean_reward": ..., "pass@k": ...}}.
     gain: dict[str, Any] | None = None
@@ -210,6 +214,8 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
                   + ", ".join(f"{k} {saved!r} -> {now!r}" for k, (saved, now) in sorted(accepted.items())),
                   file=sys.stderr)
     start = int(state.step)
+    memory = MemoryLog()
+    memory.mark("state")
 
     def save(state: TrainState, final: bool = True) -> None:
         # A periodic save returns while it is written ([run] async_checkpoints); a final one (the
@@ -251,6 +257,7 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             seconds["updates"] += 1
             if bar is None:
                 seconds["first"] = time.perf_counter() - begun
+                memory.mark("first update")
                 print(f"{spec.name}: compiled; the first step took {seconds['first']:.1f} s "
                       "(left out of the progress bar's rate and ETA)", file=sys.stderr)
                 bar = progress(total=(spec.total - start) // spec.updates_per_step, description=spec.name,
@@ -293,14 +300,20 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             print(f"{spec.name}: evaluating on {len(eval_examples(run))} held-out problems"
                   + (", then exporting" if cfg.run.export else "") + " ...", file=sys.stderr)
             # adapters merged: the model the next stage (and `evaluate`) restores, bit for bit
+            memory.mark("trained")
             model = merge(state.model)
+            memory.mark("merged")
             evaluated = time.perf_counter()
             evaluation = evaluate_report(model, run, key=spec.eval_key,
                                          title=f"{spec.role} after {spec.title}", mesh=spec.mesh)
             seconds["eval"] = time.perf_counter() - evaluated
+            memory.mark("evaluated")
             export = run.export(model, spec.name, spec.role) if cfg.run.export else None
         log_evaluation(tracker, evaluation, step=spec.total)
         tracker.summary({f"params_{k}": v for k, v in count_params(state.model).items()})
+        if memory:  # the accelerator's (a CPU keeps no statistics)
+            in_use = {f"memory/{phase.replace(' ', '_')}_gib": r["in_use_gib"] for phase, r in memory.items()}
+            tracker.summary({"memory/peak_gib": list(memory.values())[-1]["peak_gib"], **in_use})
         gain = None
         if spec.start is not None and spec.start.evaluation is not None:
             intervals = gain_intervals(evaluation, spec.start.evaluation)
@@ -317,7 +330,7 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
                        identity=spec.fingerprints["identity"].to_json(), history=history, evaluation=evaluation,
                        curves_png=curves_png(history, spec.curves, title=f"{spec.title} ({spec.role})"),
                        wandb_run_dir=str(tracker.run_dir), export_dir=None if export is None else str(export),
-                       params=count_params(state.model), seconds=seconds, gain=gain,
+                       params=count_params(state.model), seconds=seconds, memory=dict(memory) or None, gain=gain,
                        guard=None if guard is None else guard.record(),
                        kept=spec.start if guard is not None and guard.kept_start else None)
 

@@ -1,0 +1,51 @@
+"""The accelerator's memory at a stage's phases: the allocator's bytes in use and its peak so far,
+read where the backend keeps statistics (TPU and GPU; a CPU keeps none, and nothing is recorded).
+
+The peak is the process's, so it only grows: the first phase whose peak equals the stage's last
+is where the stage reached it (`MemoryLog.peaked_in`). A plan (`bd_train.plan`) gives each
+program's peak; these readings are what the whole stage held, its state, evaluation and the
+adapters' merge included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+GiB = float(1 << 30)
+
+
+def device_memory(device: Any = None) -> dict[str, float] | None:
+    """`{"in_use_gib", "peak_gib"}` of `device` (default: this process's first), or None where its
+    backend keeps no statistics."""
+    stats = (device if device is not None else jax.local_devices()[0]).memory_stats()
+    if not stats or "bytes_in_use" not in stats:
+        return None
+    return {"in_use_gib": stats["bytes_in_use"] / GiB,
+            "peak_gib": stats.get("peak_bytes_in_use", stats["bytes_in_use"]) / GiB}
+
+
+class MemoryLog(dict[str, dict[str, float]]):
+    """`{phase: device_memory()}` in the order the phases were marked."""
+
+    def __init__(self, read: Callable[[], dict[str, float] | None] = device_memory) -> None:
+        super().__init__()
+        self._read = read
+
+    def mark(self, phase: str) -> None:
+        reading = self._read()
+        if reading is not None:
+            self[phase] = reading
+
+    def peaked_in(self) -> str | None:
+        return peaked_in(self)
+
+
+def peaked_in(memory: Mapping[str, Mapping[str, float]] | None) -> str | None:
+    """The first phase whose peak is the last phase's: where the stage reached its peak."""
+    if not memory:
+        return None
+    last = list(memory.values())[-1]["peak_gib"]
+    return next(phase for phase, reading in memory.items() if reading["peak_gib"] >= last)

@@ -1,0 +1,47 @@
+"""The accelerator memory a stage records at its phases (`bd_train.stages._memory`)."""
+
+from __future__ import annotations
+
+import jax
+
+from bd_train.stages._memory import GiB, MemoryLog, device_memory, peaked_in
+
+
+class _Allocator:
+    """A device's `memory_stats()` as PJRT reports it on a TPU or GPU: bytes now and the peak so far."""
+
+    def __init__(self) -> None:
+        self.in_use = self.peak = 0
+
+    def hold(self, n_bytes: int) -> None:
+        self.in_use += n_bytes
+        self.peak = max(self.peak, self.in_use)
+
+    def memory_stats(self) -> dict[str, int]:
+        return {"bytes_in_use": self.in_use, "peak_bytes_in_use": self.peak, "bytes_limit": 16 << 30}
+
+
+def test_a_cpu_keeps_no_statistics_so_nothing_is_recorded():
+    assert jax.local_devices()[0].platform == "cpu"
+    assert device_memory() is None
+    log = MemoryLog()
+    log.mark("state")
+    assert log == {} and log.peaked_in() is None
+
+
+def test_phases_are_read_in_order_and_the_peak_is_placed_where_it_was_reached():
+    chip = _Allocator()
+    log = MemoryLog(lambda: device_memory(chip))
+    chip.hold(3 << 30)
+    log.mark("state")
+    chip.hold(7 << 30)  # the adapters' merge, say: temporaries freed again before the next phase
+    chip.hold(-(4 << 30))
+    log.mark("merged")
+    chip.hold(2 << 30)
+    log.mark("evaluated")
+    assert list(log) == ["state", "merged", "evaluated"]
+    assert log["state"] == {"in_use_gib": 3.0, "peak_gib": 3.0}
+    assert log["merged"] == {"in_use_gib": 6.0, "peak_gib": 10.0}
+    assert log["evaluated"] == {"in_use_gib": 8.0, "peak_gib": 10.0}
+    assert log.peaked_in() == "merged" == peaked_in(dict(log))
+    assert device_memory(chip)["in_use_gib"] * GiB == chip.in_use
