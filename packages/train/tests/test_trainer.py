@@ -242,10 +242,12 @@ def test_a_donating_step_updates_the_state_in_place_with_the_same_result(toy_mod
     assert eqx.tree_equal(metrics_a, metrics_b)
 
 
-def test_a_donating_lora_step_keeps_the_frozen_base_its_reference_shares(batch_factory):
+@pytest.mark.parametrize("donate", [True, False])
+def test_a_lora_step_keeps_the_frozen_base_its_reference_shares(batch_factory, donate):
     """The step neither donates the frozen base nor writes a copy of it: the new state holds the
-    very arrays the old one did, and the program's outputs are what it updates in place (a step
-    that returned its base wrote all of it again, a second copy on the chip, every step)."""
+    very arrays the old one did, and the program's outputs are what it updates (in place when it
+    donates; a step that returned its base wrote all of it again, a second copy on the chip, every
+    step)."""
     from bd_models import LoRAConfig, add_lora, base_model
 
     config = ModelConfig(vocab_size=13, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32, block_size=2,
@@ -253,17 +255,18 @@ def test_a_donating_lora_step_keeps_the_frozen_base_its_reference_shares(batch_f
     model = add_lora(BlockDiffusionLM(config, key=jax.random.key(0)), LoRAConfig(rank=2), key=jax.random.key(1))
     reference = base_model(model)  # GRPO's KL reference: the same base arrays
     batch = batch_factory(2, rows=4, length=6)
-    trainer = Trainer(sft_objective, make_optimizer(OptimizerConfig(learning_rate=1e-2)), TrainerConfig(donate=True))
+    trainer = Trainer(sft_objective, make_optimizer(OptimizerConfig(learning_rate=1e-2)), TrainerConfig(donate=donate))
     state = trainer.init(model, key=jax.random.key(2))
     new, _ = trainer.step(state, batch)
     assert all(not x.is_deleted() for x in jax.tree.leaves(eqx.filter(reference, eqx.is_array)))
     assert eqx.tree_equal(eqx.filter(base_model(new.model), eqx.is_array), eqx.filter(reference, eqx.is_array))
-    assert all(x.is_deleted() for x in jax.tree.leaves(state.params))  # the adapters were donated
+    assert all(x.is_deleted() == donate for x in jax.tree.leaves(state.params))  # the adapters, when donated
     base = [x for x in jax.tree.leaves(eqx.filter(base_model(new.model), eqx.is_array))]
     assert all(x is y for x, y in zip(base, jax.tree.leaves(eqx.filter(reference, eqx.is_array)), strict=True))
     memory = trainer.lower(new, batch).compile().memory_analysis()
     written = memory.output_size_in_bytes - memory.alias_size_in_bytes  # counters, key, metrics
-    assert written < sum(x.nbytes for x in base) / 4
+    updated = sum(x.nbytes for x in jax.tree.leaves((new.params, new.opt_state)) if isinstance(x, jax.Array))
+    assert written - (0 if donate else updated) < sum(x.nbytes for x in base) / 4  # updated: written anew
 
 
 def test_an_async_save_keeps_its_values_when_the_next_step_donates_them(tmp_path, toy_model, batch_factory):

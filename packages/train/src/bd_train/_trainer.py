@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from bd_core import LossOutput, as_loss_output, config_error, reduce_metrics
-from bd_models import lower, trainable_filter
+from bd_models import trainable_filter
 
 from ._accumulate import (
     Accumulated,
@@ -206,7 +206,7 @@ class Trainer:
         self.optimizer = optimizer
         self.config = config or TrainerConfig()
         self._train = eqx.filter_jit(self._train_donating, donate="all-except-first")
-        self._train_kept = eqx.filter_jit(self._train_impl)
+        self._train_kept = eqx.filter_jit(self._train_donating)  # the same program, nothing donated
         self._eval = eqx.filter_jit(self._eval_impl)
 
     def init(self, model: Any, *, key: jax.Array, microbatch: Any = None) -> TrainState:
@@ -240,8 +240,6 @@ class Trainer:
         gives the compiled step, e.g. for its `memory_analysis()` or `cost_analysis()`. The state
         and batch may hold `jax.ShapeDtypeStruct`s (with shardings) instead of arrays: a plan
         for devices this host does not have (`bd_train.plan`)."""
-        if not self.config.donate:
-            return lower(lambda s, b: self._train_impl(s, b, is_update_step, False), state, batch)
         kept, donated = _split_state(state)
         dynamic, static = eqx.partition((kept, batch), _is_dynamic)
         donated_dynamic, donated_static = eqx.partition(donated, _is_dynamic)
@@ -250,18 +248,18 @@ class Trainer:
             (kept, batch), donated = eqx.combine(dynamic, static), eqx.combine(donated_dynamic, donated_static)
             return self._train_donating((kept, batch, is_update_step, False), donated)
 
-        return jax.jit(program, donate_argnums=1).lower(dynamic, donated_dynamic)
+        return jax.jit(program, donate_argnums=1 if self.config.donate else ()).lower(dynamic, donated_dynamic)
 
     def _run(self, state: TrainState, batch: Any, is_update_step: bool, presplit: bool) -> tuple[TrainState, dict]:
         if not is_update_step and state.accumulator is None:
             raise ValueError("is_update_step=False needs an accumulator in the state: build the Trainer with "
                              "TrainerConfig(streaming=True) and call init() again")
+        kept, donated = _split_state(state)
         if self.config.donate:
-            kept, donated = _split_state(state)
             rest, donated, metrics = self._train((kept, batch, is_update_step, presplit), _unshared(donated, kept))
-            state = _join_state(_with(rest, model=kept.model), donated)
         else:
-            state, metrics = self._train_kept(state, batch, is_update_step, presplit)
+            rest, donated, metrics = self._train_kept((kept, batch, is_update_step, presplit), donated)
+        state = _join_state(_with(rest, model=kept.model), donated)
         if is_update_step:
             streak = int(state.nonfinite_streak)
             if streak >= self.config.max_consecutive_nonfinite:
@@ -275,9 +273,10 @@ class Trainer:
 
     def _train_donating(self, kept_and_batch: tuple[Any, Any, bool, bool], donated: Any):
         """The step on the state's two halves; returns the new state's counters and key, what it
-        donated, updated, and the metrics. The kept model (a LoRA model's frozen base) is not an
-        output: a program that returns an argument it does not donate writes a copy of it (the
-        whole base, every step), so the caller puts the one it passed back in."""
+        donated (or, not donating, would have), updated, and the metrics. The kept model (a LoRA
+        model's frozen base) is not an output: a program that returns an argument it does not
+        donate writes a copy of it (the whole base, every step), so the caller puts the one it
+        passed back in."""
         kept, batch, is_update_step, presplit = kept_and_batch
         state, metrics = self._train_impl(_join_state(kept, donated), batch, is_update_step, presplit)
         rest, donated = _split_state(state)
