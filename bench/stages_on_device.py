@@ -140,7 +140,7 @@ def table(result: dict) -> str:
 
 
 def _peaked_in(memory: dict | None) -> str:
-    from bd_train.stages._memory import peaked_in  # no device is touched: the parent leaves it to the children
+    from bd_train.stages import peaked_in  # no device is touched: the parent leaves it to the children
 
     return peaked_in(memory) or ""
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import jax
 
-from bd_train.stages._memory import GiB, MemoryLog, device_memory, peaked_in
+from bd_train.stages import MemoryLog, device_memory, peaked_in
+from bd_train.stages._memory import GiB
 
 
 class _Allocator:

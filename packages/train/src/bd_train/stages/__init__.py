@@ -43,6 +43,9 @@ from ._intervals import bootstrap_interval as bootstrap_interval
 from ._intervals import gain_intervals as gain_intervals
 from ._intervals import paired_interval as paired_interval
 from ._intervals import wilson_interval as wilson_interval
+from ._memory import MemoryLog as MemoryLog
+from ._memory import device_memory as device_memory
+from ._memory import peaked_in as peaked_in
 from ._rollout import Rollouts as Rollouts
 from ._rollout import group_rollouts as group_rollouts
 from ._rollout import grpo_config as grpo_config

@@ -35,11 +35,13 @@ class MemoryLog(dict[str, dict[str, float]]):
         self._read = read
 
     def mark(self, phase: str) -> None:
+        """Read the device now and keep it as `phase` (nothing where there is nothing to read)."""
         reading = self._read()
         if reading is not None:
             self[phase] = reading
 
     def peaked_in(self) -> str | None:
+        """The first phase whose peak is the last phase's (`peaked_in`)."""
         return peaked_in(self)
 
 
