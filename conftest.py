@@ -79,13 +79,13 @@ def _drop_compiled_programs():
 # (`--no-loadscope-reorder`; its default orders by test count, which left single-test chains of
 # minutes for the end, with one worker idle). Longest first keeps both workers busy to the end.
 SLOW_FILES = {
-    "tests/test_group.py": 450, "packages/train/tests/test_plan.py": 215, "tests/test_stages_mesh.py": 168,
-    "tests/test_pipeline.py": 156, "packages/train/tests/test_distributed.py": 97,
-    "packages/train/tests/test_logits_chunks.py": 88, "tests/test_guides.py": 80,
-    "packages/train/tests/test_trainer.py": 78, "packages/train/tests/test_driver.py": 62,
-    "packages/models/tests/test_sampler.py": 57, "tests/test_recipe.py": 54, "packages/train/tests/test_guard.py": 54,
-    "tests/test_sigkill.py": 52, "packages/train/tests/test_learning.py": 50,
-    "packages/models/tests/test_sharding.py": 42,
+    "tests/test_group.py": 718, "tests/test_stages_mesh.py": 389, "tests/test_pipeline.py": 300,
+    "packages/train/tests/test_plan.py": 215, "packages/train/tests/test_logits_chunks.py": 157,
+    "packages/train/tests/test_distributed.py": 148, "tests/test_guides.py": 122,
+    "packages/train/tests/test_driver.py": 104, "packages/train/tests/test_trainer.py": 95,
+    "packages/train/tests/test_guard.py": 92, "tests/test_recipe.py": 85, "packages/models/tests/test_sampler.py": 84,
+    "packages/train/tests/test_learning.py": 77, "tests/test_sigkill.py": 76,
+    "packages/train/tests/test_checkpoint.py": 60,
 }
 
 
