@@ -23,8 +23,7 @@ def config(mesh: str = MESH) -> dict:
     """The smoke preset with the student's SFT long enough (60 steps) that most completions are well
     formed: GRPO then sees rewards that differ within a group, so its updates carry signal, not float
     noise. The teacher only has to exist for OPD: 4 steps. Evaluation takes 2 samples for pass@k and
-    one threshold for the NFE curve. Saves every 20 updates, not the smoke preset's 2: 30 saves of a
-    two-process group were a third of its student's SFT."""
+    one threshold for the NFE curve."""
     import tomllib
 
     from bd_train.stages import parse_pipeline_config
@@ -32,7 +31,6 @@ def config(mesh: str = MESH) -> dict:
     data = tomllib.loads(SMOKE.read_text() + f"\n[mesh]\n{mesh}\n")
     data["sft"].update(steps=60, teacher_steps=4, optim={"lr": 1e-2, "warmup_steps": 2})
     data["eval"].update(samples=2, thresholds=[0.9])  # pass@k and the NFE curve on the mesh, at least cost
-    data["run"].update(checkpoint_every=20)
     return parse_pipeline_config(data)
 
 

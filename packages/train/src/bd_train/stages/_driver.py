@@ -124,7 +124,8 @@ class StageResult:
     # compiled update's time.
     seconds: dict[str, float] | None = None
     # The accelerator's memory at the stage's phases (`state`, `first update`, `trained`, `merged`,
-    # `evaluated`): `{phase: {"in_use_gib", "peak_gib"}}`; None where the backend keeps no statistics.
+    # `evaluated`): `{phase: {"in_use_gib", "peak_gib"}}` (the peak is the process's so far: `_memory`);
+    # None where the backend keeps no statistics.
     memory: dict[str, dict[str, float]] | None = None
     # The evaluation's paired change over the model the stage started from: {"over": its stage,
     # "metrics": {"accuracy": Interval.to_dict(), "mean_reward": ..., "pass@k": ...}}.
@@ -215,7 +216,7 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
                   file=sys.stderr)
     start = int(state.step)
     memory = MemoryLog()
-    memory.mark("state")
+    memory.mark("state", state)
 
     def save(state: TrainState, final: bool = True) -> None:
         # A periodic save returns while it is written ([run] async_checkpoints); a final one (the

@@ -1,10 +1,11 @@
 """The accelerator's memory at a stage's phases: the allocator's bytes in use and its peak so far,
 read where the backend keeps statistics (TPU and GPU; a CPU keeps none, and nothing is recorded).
 
-The peak is the process's, so it only grows: the first phase whose peak equals the stage's last
-is where the stage reached it (`MemoryLog.peaked_in`). A plan (`bd_train.plan`) gives each
-program's peak; these readings are what the whole stage held, its state, evaluation and the
-adapters' merge included.
+The peak is the process's since it began, so it only grows: the first phase whose peak equals the
+stage's last is where the stage reached it (`MemoryLog.peaked_in`). In a process that runs several
+stages (`python -m bd_train.stages run`), a stage that never rose above an earlier stage's peak
+names its first phase, `state`. A plan (`bd_train.plan`) gives each program's peak; these readings
+are what the whole stage held, its state, evaluation and the adapters' merge included.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ class MemoryLog(dict[str, dict[str, float]]):
         super().__init__()
         self._read = read
 
-    def mark(self, phase: str) -> None:
-        """Read the device now and keep it as `phase` (nothing where there is nothing to read)."""
+    def mark(self, phase: str, *ready: Any) -> None:
+        """Read the device once `ready`'s arrays are computed, and keep it as `phase` (nothing
+        where there is nothing to read): work still in flight would count in a later phase."""
+        jax.block_until_ready(ready)
         reading = self._read()
         if reading is not None:
             self[phase] = reading
