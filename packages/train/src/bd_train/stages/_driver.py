@@ -106,6 +106,10 @@ class StageResult:
         export_dir: the Hugging Face export (`[run] export = true`).
         params: `{"trained": ..., "total": ...}` parameter counts.
         seconds: wall-clock of `updates`, `train`, `first` (compiling) and `eval`.
+        memory: the accelerator's memory at the stage's phases (None on a CPU).
+        gain: the evaluation's paired change over the model the stage started from.
+        guard: OPD's guard, its comparisons and decision.
+        kept: the earlier stage's result handed on instead of this one (OPD's keep-best guard).
     """
 
     stage: str
