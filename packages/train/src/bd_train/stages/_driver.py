@@ -304,8 +304,8 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             # said before the silent stretch (10-60 s) between the bar's 100% and the stage's end
             print(f"{spec.name}: evaluating on {len(eval_examples(run))} held-out problems"
                   + (", then exporting" if cfg.run.export else "") + " ...", file=sys.stderr)
-            # adapters merged: the model the next stage (and `evaluate`) restores, bit for bit
             memory.mark("trained")
+            # adapters merged: the model the next stage (and `evaluate`) restores, bit for bit
             model = merge(state.model)
             memory.mark("merged")
             evaluated = time.perf_counter()
