@@ -46,3 +46,19 @@ def test_phases_are_read_in_order_and_the_peak_is_placed_where_it_was_reached():
     assert log["evaluated"] == {"in_use_gib": 8.0, "peak_gib": 10.0}
     assert log.peaked_in() == "merged" == peaked_in(dict(log))
     assert device_memory(chip)["in_use_gib"] * GiB == chip.in_use
+
+
+def test_the_peak_is_placed_in_the_stages_order_even_from_json_with_sorted_keys():
+    """Results files sort their keys ("evaluated" < "first update" < "merged" < "state"): the
+    phase where the peak was reached is still the first one the stage marked at that peak."""
+    import json
+
+    chip = _Allocator()
+    log = MemoryLog(lambda: device_memory(chip))
+    chip.hold(12 << 30)  # a rerun restores the finished stages before this one's state is built
+    chip.hold(-(9 << 30))
+    for phase in ("state", "first update", "trained", "merged", "evaluated"):
+        log.mark(phase)
+    kept = json.loads(json.dumps(dict(log), sort_keys=True))
+    assert list(kept)[0] == "evaluated"
+    assert peaked_in(kept) == "state" == log.peaked_in()

@@ -4,7 +4,8 @@ read where the backend keeps statistics (TPU and GPU; a CPU keeps none, and noth
 The peak is the process's since it began, so it only grows: the first phase whose peak equals the
 stage's last is where the stage reached it (`MemoryLog.peaked_in`). In a process that runs several
 stages (`python -m bd_train.stages run`), a stage that never rose above an earlier stage's peak
-names its first phase, `state`. A plan (`bd_train.plan`) gives each program's peak; these readings
+names its first phase, `state`, which also holds whatever the process did before the stage (a
+rerun restores the finished stages first). A plan (`bd_train.plan`) gives each program's peak; these readings
 are what the whole stage held, its state, evaluation and the adapters' merge included.
 """
 
@@ -48,9 +49,15 @@ class MemoryLog(dict[str, dict[str, float]]):
         return peaked_in(self)
 
 
+PHASES = ("state", "first update", "trained", "merged", "evaluated")  # the order a stage marks them
+
+
 def peaked_in(memory: Mapping[str, Mapping[str, float]] | None) -> str | None:
-    """The first phase whose peak is the last phase's: where the stage reached its peak."""
+    """The first phase whose peak is the stage's: where the stage reached it. Phases are taken in
+    the order a stage marks them (`PHASES`, others after them), not the mapping's, so readings
+    kept as JSON with sorted keys place the peak as the stage did."""
     if not memory:
         return None
-    last = list(memory.values())[-1]["peak_gib"]
-    return next(phase for phase, reading in memory.items() if reading["peak_gib"] >= last)
+    ordered = sorted(memory, key=lambda phase: PHASES.index(phase) if phase in PHASES else len(PHASES))
+    peak = max(reading["peak_gib"] for reading in memory.values())
+    return next(phase for phase in ordered if memory[phase]["peak_gib"] >= peak)
