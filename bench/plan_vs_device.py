@@ -152,6 +152,7 @@ def measure(preset: str, stage: str, program: str, runs: int, attention: str | N
         # never rose above it, the program's own peak is only bounded by it
         "earlier_peak_bytes": earlier_peak - before if stats else None,
         "bytes_limit": stats.get("bytes_limit"),
+        "memory_stats": dict(stats),  # every key the runtime keeps (a TPU's reserved bytes, say), for later reading
         "compile_s": compile_s, "step_s": step, "step_s_all": seconds, "model_flops": target.model_flops or 0.0,
         "bf16_peak_tflops": peak / 1e12, "peak_n": peak_n,
     }

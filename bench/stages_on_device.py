@@ -101,6 +101,7 @@ def run_stage(data: dict, until: str) -> dict:
 def _device(jax) -> dict:
     stats = jax.local_devices()[0].memory_stats() or {}
     return {"peak_bytes": stats.get("peak_bytes_in_use"), "bytes_limit": stats.get("bytes_limit"),
+            "memory_stats": dict(stats),  # every key the runtime keeps, for later reading
             "device": f"{jax.devices()[0].platform}:{jax.devices()[0].device_kind}", "jax": jax.__version__}
 
 
