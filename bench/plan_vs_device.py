@@ -6,20 +6,21 @@ time by the wall clock, its MFU against the bfloat16 matmul peak measured in the
 
     python bench/plan_vs_device.py sdar_1p7b --stage sft-student [--program "train step"]
     python bench/plan_vs_device.py bench/configs/sdar_1p7b_lora_1chip.toml --stage grpo \
-        --program "rollouts: one denoising step"
+        --program "rollouts: one denoising step" [--inputs compiled]
 
 The inputs have the program's shapes, dtypes and placement, not a real run's values: floats are
-small positive random numbers (Adam's second moments must not be negative), integers 0, masks
-true. Memory and time do not depend on the values (zeros would flatter the matmul units' power
-draw, hence random), except a sampler's number of steps: such weights are never confident, so a
-threshold rule commits one token per step, the most steps a rollout can take (the plan's bound).
-Sampler programs also report what they decoded: tokens committed and steps taken, so tokens per
-second. On a TPU the rollouts' denoising step (its own cost twin: no loop) is also read as the
-plan reads it, XLA's FLOPs and bytes accessed on this chip against its published peak and HBM
-bandwidth: the roofline time and tokens per second beside the measured ones. One program per
-process: the allocator's peak is the process's. Each run
-merges its figures into `bench/results/plan_vs_device.json` under `<preset>/<stage>/<program>`;
-`--table` writes BENCHMARKS.md's section from that file.
+small positive random numbers (Adam's second moments must not be negative), integers 0, masks true;
+each float input is made op by op, or with `--inputs compiled` by one compiled program (no float32
+intermediates beside it: a row of its own). Memory and time do not depend on the values (zeros would
+flatter the matmul units' power draw, hence random), except a sampler's number of steps: such
+weights are never confident, so a threshold rule commits one token per step, the most steps a
+rollout can take (the plan's bound). Sampler programs also report what they decoded: tokens
+committed and steps taken, so tokens per second. On a TPU the rollouts' denoising step (its own cost
+twin: no loop) is also read as the plan reads it, XLA's FLOPs and bytes accessed on this chip
+against its published peak and HBM bandwidth: the roofline time and tokens per second beside the
+measured ones. One program per process: the allocator's peak is the process's. Each run merges its
+figures into `bench/results/plan_vs_device.json` under `<preset>/<stage>/<program>/<attention>`; `--table`
+writes BENCHMARKS.md's section from that file.
 """
 
 from __future__ import annotations
@@ -38,8 +39,17 @@ from _report import ROOT, machine, results_path, write_results, write_section  #
 GiB = 1 << 30
 
 
-def _inputs(lowered, compiled):
-    """Arrays for `compiled`'s positional inputs (a tuple), placed as it expects them."""
+def _small_positive(key, shape, dtype):
+    import jax
+    import jax.numpy as jnp
+
+    return (0.02 * jnp.abs(jax.random.normal(key, shape, jnp.float32))).astype(dtype)
+
+
+def _inputs(lowered, compiled, made: str = "ops"):
+    """Arrays for `compiled`'s positional inputs (a tuple), placed as it expects them. `made`:
+    "ops", op by op (each float leaf's float32 intermediates in flight under asynchronous
+    dispatch), or "compiled", each leaf by one compiled program (no intermediates beside it)."""
     import jax
     import jax.numpy as jnp
 
@@ -51,8 +61,11 @@ def _inputs(lowered, compiled):
         dtype = info.dtype
         if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
             value = jax.random.split(next(keys), info.shape) if info.shape else next(keys)
+        elif jnp.issubdtype(dtype, jnp.floating) and made == "compiled":
+            return jax.jit(_small_positive, static_argnums=(1, 2), out_shardings=sharding)(
+                next(keys), info.shape, dtype)
         elif jnp.issubdtype(dtype, jnp.floating):
-            value = (0.02 * jnp.abs(jax.random.normal(next(keys), info.shape, jnp.float32))).astype(dtype)
+            value = _small_positive(next(keys), info.shape, dtype)
         elif dtype == jnp.bool_:
             value = jnp.ones(info.shape, dtype)
         else:
@@ -102,7 +115,7 @@ def _roofline(compiled, rollout: dict, chip) -> dict:
 
 
 def measure(preset: str, stage: str, program: str, runs: int, attention: str | None = None, *,
-            peak_n: int = 8192) -> dict:
+            peak_n: int = 8192, inputs: str = "ops") -> dict:
     import jax
     from accelerator import bf16_peak
 
@@ -129,22 +142,22 @@ def measure(preset: str, stage: str, program: str, runs: int, attention: str | N
         earlier = device.memory_stats() or {}  # CPU keeps no statistics
         before, earlier_peak = earlier.get("bytes_in_use", 0), earlier.get("peak_bytes_in_use", 0)
         # fresh inputs for every run: a train step donates its state's buffers
-        output = jax.block_until_ready(compiled(*_inputs(target.lowered, compiled)))  # allocations settle
+        output = jax.block_until_ready(compiled(*_inputs(target.lowered, compiled, inputs)))  # allocations settle
         decoded = _decoded(output)
         del output
         seconds = []
         for _ in range(runs):
-            inputs = jax.block_until_ready(_inputs(target.lowered, compiled))
+            args = jax.block_until_ready(_inputs(target.lowered, compiled, inputs))
             start = time.perf_counter()
-            jax.block_until_ready(compiled(*inputs))
+            jax.block_until_ready(compiled(*args))
             seconds.append(time.perf_counter() - start)
-            del inputs  # before the next run's are made: one set live at a time, as in a run
+            del args  # before the next run's are made: one set live at a time, as in a run
         stats = device.memory_stats() or {}
     step = statistics.median(seconds)
     peak = bf16_peak(peak_n)
     result = {
         "device": f"{device.platform}: {device.device_kind}", "jax": jax.__version__, "machine": machine(),
-        "attention": data.get(role, {}).get("attention", ModelConfig.attention),
+        "attention": data.get(role, {}).get("attention", ModelConfig.attention), "inputs": inputs,
         "planned_bytes": int(planned), "argument_bytes": int(m.argument_size_in_bytes),
         "temp_bytes": int(m.temp_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes),
         "measured_peak_bytes": stats["peak_bytes_in_use"] - before if stats else None,
@@ -208,8 +221,9 @@ SECTIONS = {"gpu": "plan_vs_device", "tpu": "plan_vs_device_tpu", "cpu": "plan_v
 TPU_NOTE = ("\n\nOn this TPU runtime the measured column is not a program's peak. The allocator's statistics "
             "appear not to count the temporaries XLA assigns a program: OPD's train step (XLA: 4.02 GiB of "
             "arguments, 7.75 GiB of temporaries) read 4.06 GiB when each input was made by one compiled program, "
-            "and 15.02 GiB when they were made op by op, as for the rows above, whose float32 intermediates "
-            "asynchronous dispatch piles up. So these rows measure the making of the inputs more than the program; "
+            "(`--inputs compiled`) and 15.02 GiB when they were made op by op, as for the rows above, whose float32 "
+            "intermediates asynchronous dispatch piles up. So these rows measure the making of the inputs more than "
+            "the program; "
             "`earlier_peak_bytes` in the results says whether the runs rose above the process's peak before them. "
             "On the H200 measured and planned agree within 1 MB.")
 
@@ -247,16 +261,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--program", default="train step")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--attention", help="replace both models' attention (blocked, dense, pallas, ...)")
+    parser.add_argument("--inputs", choices=("ops", "compiled"), default="ops",
+                        help="make each float input op by op (the table's rows) or by one compiled program")
     parser.add_argument("--table", action="store_true", help="only write BENCHMARKS.md's section from the results")
     args = parser.parse_args(argv)
     path = results_path("plan_vs_device")
     if not args.table:
-        result = measure(args.preset, args.stage, args.program, args.runs, args.attention)
+        result = measure(args.preset, args.stage, args.program, args.runs, args.attention, inputs=args.inputs)
         print(json.dumps(result, indent=1))
         if result["device"].startswith("cpu"):  # a CPU's run checks the script: no result to keep
             return
         results = json.loads(path.read_text()) if path.exists() else {}
-        key = f"{Path(args.preset).stem}/{args.stage}/{args.program}/{result['attention']}"
+        made = "" if args.inputs == "ops" else f", {args.inputs} inputs"  # a row of its own
+        key = f"{Path(args.preset).stem}/{args.stage}/{args.program}/{result['attention']}{made}"
         write_results("plan_vs_device", {**results, key: result})
     if path.exists():
         _write_table(json.loads(path.read_text()))

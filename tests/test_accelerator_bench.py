@@ -10,6 +10,7 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import optax
+import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -51,15 +52,18 @@ def test_1b_step_lowers_for_cuda_through_triton():
     assert text.count("__gpu$xla.gpu.triton") == 3  # the scanned layer's forward, dq and dk/dv kernels
 
 
-def test_plan_vs_device_runs_a_plans_program_and_renders(tmp_path):
+@pytest.mark.parametrize("inputs", ["ops", "compiled"])
+def test_plan_vs_device_runs_a_plans_program_and_renders(tmp_path, inputs):
     """`bench/plan_vs_device.py` builds the smoke preset's SFT step with the plan's own builder,
-    compiles it for this host's device and runs it on inputs of its shapes; its planned peak holds
-    at least its arguments and temporaries, and CPU, which keeps no allocator statistics, is said so."""
+    compiles it for this host's device and runs it on inputs of its shapes (made op by op, or each
+    by one compiled program); its planned peak holds at least its arguments and temporaries, and
+    CPU, which keeps no allocator statistics, is said so."""
     import plan_vs_device
 
-    result = plan_vs_device.measure("smoke", "sft-student", "train step", runs=1, peak_n=256)
+    result = plan_vs_device.measure("smoke", "sft-student", "train step", runs=1, peak_n=256, inputs=inputs)
     assert result["planned_bytes"] >= result["argument_bytes"] + result["temp_bytes"] > 0
     assert result["measured_peak_bytes"] is None and result["step_s"] > 0 and result["mfu"] > 0
+    assert result["inputs"] == inputs and result["memory_stats"] == {}
     markdown = tmp_path / "BENCHMARKS.md"
     markdown.write_text("# benchmarks\n")
     plan_vs_device._write_table({"smoke/sft-student/train step/blocked": result}, markdown)
