@@ -79,13 +79,12 @@ def _drop_compiled_programs():
 # (`--no-loadscope-reorder`; its default orders by test count, which left single-test chains of
 # minutes for the end, with one worker idle). Longest first keeps both workers busy to the end.
 SLOW_FILES = {
-    "tests/test_group.py": 718, "tests/test_stages_mesh.py": 389, "tests/test_pipeline.py": 300,
-    "packages/train/tests/test_plan.py": 215, "packages/train/tests/test_logits_chunks.py": 157,
-    "packages/train/tests/test_distributed.py": 148, "tests/test_guides.py": 122,
-    "packages/train/tests/test_driver.py": 104, "packages/train/tests/test_trainer.py": 95,
-    "packages/train/tests/test_guard.py": 92, "tests/test_recipe.py": 85, "packages/models/tests/test_sampler.py": 84,
-    "packages/train/tests/test_learning.py": 77, "tests/test_sigkill.py": 76,
-    "packages/train/tests/test_checkpoint.py": 60,
+    "tests/test_group.py": 724, "packages/train/tests/test_plan.py": 419, "tests/test_stages_mesh.py": 318,
+    "tests/test_pipeline.py": 269, "tests/test_guides.py": 161, "packages/train/tests/test_distributed.py": 153,
+    "packages/train/tests/test_logits_chunks.py": 145, "packages/train/tests/test_trainer.py": 120,
+    "packages/train/tests/test_driver.py": 105, "packages/models/tests/test_sampler.py": 93,
+    "tests/test_sigkill.py": 84, "packages/train/tests/test_learning.py": 81, "packages/train/tests/test_guard.py": 79,
+    "tests/test_recipe.py": 70, "packages/models/tests/test_sharding.py": 70,
 }
 
 
