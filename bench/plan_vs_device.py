@@ -156,7 +156,8 @@ def measure(preset: str, stage: str, program: str, runs: int, attention: str | N
     step = statistics.median(seconds)
     peak = bf16_peak(peak_n)
     result = {
-        "device": f"{device.platform}: {device.device_kind}", "jax": jax.__version__, "machine": machine(),
+        "device": f"{device.platform}: {device.device_kind}", "jax": jax.__version__,
+        "machine": machine() if device.platform == "cpu" else f"one {device.device_kind} beside {machine()}",
         "attention": data.get(role, {}).get("attention", ModelConfig.attention), "inputs": inputs,
         "planned_bytes": int(planned), "argument_bytes": int(m.argument_size_in_bytes),
         "temp_bytes": int(m.temp_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes),
@@ -220,12 +221,11 @@ SECTIONS = {"gpu": "plan_vs_device", "tpu": "plan_vs_device_tpu", "cpu": "plan_v
 # What one experiment on the v5e chip showed about its allocator's statistics (jax 0.10.2's libtpu)
 TPU_NOTE = ("\n\nOn this TPU runtime the measured column is not a program's peak. The allocator's statistics "
             "appear not to count the temporaries XLA assigns a program: OPD's train step (XLA: 4.02 GiB of "
-            "arguments, 7.75 GiB of temporaries) read 4.06 GiB when each input was made by one compiled program, "
-            "(`--inputs compiled`) and 15.02 GiB when they were made op by op, as for the rows above, whose float32 "
-            "intermediates asynchronous dispatch piles up. So these rows measure the making of the inputs more than "
-            "the program; "
-            "`earlier_peak_bytes` in the results says whether the runs rose above the process's peak before them. "
-            "On the H200 measured and planned agree within 1 MB.")
+            "arguments, 7.75 GiB of temporaries) read 4.06 GiB when each input was made by one compiled program "
+            "(`--inputs compiled`) and 15.02 GiB when they were made op by op, as for the other rows, whose "
+            "float32 intermediates asynchronous dispatch piles up. So those rows measure the making of the inputs "
+            "more than the program; `earlier_peak_bytes` in the results says whether the runs rose above the "
+            "process's peak before them. On the H200 measured and planned agree within 1 MB.")
 
 
 def _write_table(results: dict, markdown: Path | None = None) -> None:

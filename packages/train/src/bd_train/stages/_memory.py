@@ -5,8 +5,10 @@ The peak is the process's since it began, so it only grows: the first phase whos
 stage's last is where the stage reached it (`MemoryLog.peaked_in`). In a process that runs several
 stages (`python -m bd_train.stages run`), a stage that never rose above an earlier stage's peak
 names its first phase, `state`, which also holds whatever the process did before the stage (a
-rerun restores the finished stages first). A plan (`bd_train.plan`) gives each program's peak; these readings
-are what the whole stage held, its state, evaluation and the adapters' merge included.
+rerun restores the finished stages first). A plan (`bd_train.plan`) gives each program's peak;
+these readings are what the whole stage held, its state, evaluation and the adapters' merge
+included, as far as the allocator counts it: on a TPU v5e it appears not to count the temporaries
+XLA assigns a compiled program (SCALING.md).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class MemoryLog(dict[str, dict[str, float]]):
             self[phase] = reading
 
     def peaked_in(self) -> str | None:
-        """The first phase whose peak is the last phase's (`peaked_in`)."""
+        """The first phase, in the stage's order, whose peak is the stage's (`peaked_in`)."""
         return peaked_in(self)
 
 
