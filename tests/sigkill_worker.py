@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
+import time
 import tomllib
 from pathlib import Path
 
@@ -120,10 +120,12 @@ def main(case: Path) -> None:
     (case / "done.json").write_text(json.dumps(summary))
 
 
-def _stall(spec: str, case: Path, index: int) -> None:
-    """`BDLM_TEST_STALL=<stage>:<step>:<process>`: that process hangs for good at the start of the
-    stage's update after `step` (its heartbeat goes on), for the progress watchdog to find; it
-    writes `<case dir>/stalled-<process>` as it begins."""
+def _hold(spec: str, case: Path, index: int) -> None:
+    """`BDLM_TEST_HOLD=<stage>:<step>:<process>`: that process holds at the start of the stage's
+    update after `step` (its heartbeat goes on), writing `<case dir>/held-<process>` as it begins
+    and going on once that file is removed; left in place, it hangs for good, for the progress
+    watchdog to find. A test times a signal by the file, so the signal lands at that update on any
+    host's load."""
     stage, step, process = spec.split(":")
     if int(process) != index:
         return
@@ -131,13 +133,15 @@ def _stall(spec: str, case: Path, index: int) -> None:
 
     mark = Watchdog.mark
 
-    def stalling(self: Watchdog, phase: str, at: int) -> None:
+    def holding(self: Watchdog, phase: str, at: int) -> None:
         mark(self, phase, at)
         if (self.stage, phase, at) == (stage, "update", int(step)):
-            (case / f"stalled-{index}").touch()
-            threading.Event().wait()
+            held = case / f"held-{index}"
+            held.touch()
+            while held.exists():
+                time.sleep(0.01)
 
-    Watchdog.mark = stalling  # type: ignore[method-assign]
+    Watchdog.mark = holding  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":
@@ -146,8 +150,8 @@ if __name__ == "__main__":
         # the group's size and this process's place: bdlm's variables, or a SLURM job step's
         count = int(os.environ.get("BDLM_NUM_PROCESSES") or os.environ.get("SLURM_NTASKS", "1"))
         index = int(os.environ.get("BDLM_PROCESS_ID") or os.environ.get("SLURM_PROCID", "0"))
-        if os.environ.get("BDLM_TEST_STALL"):
-            _stall(os.environ["BDLM_TEST_STALL"], case, index)
+        if os.environ.get("BDLM_TEST_HOLD"):
+            _hold(os.environ["BDLM_TEST_HOLD"], case, index)
         command(case, count, f"-{index}" if count > 1 else "")
     else:
         main(case)

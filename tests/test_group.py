@@ -9,14 +9,14 @@
   reference's, bit for bit;
 - the command again, its group from the `BDLM_*` variables, meeting what a cluster does to one of
   its processes, and rerun with the same command after each fault:
-  - SIGKILL of process 0, which starts the group's coordination service, inside the teacher's SFT:
-    process 1 stops within the group's `BDLM_LOST_AFTER_S` (plus a margin) with bdlm's message
-    naming process 0, not JAX's abort;
+  - SIGKILL of process 0, which starts the group's coordination service, inside the teacher's SFT
+    (held at the start of an update until the kill lands): process 1 stops within the group's
+    `BDLM_LOST_AFTER_S` (plus a margin) with bdlm's message naming process 0, not JAX's abort;
   - process 1 hangs inside a teacher's SFT update while its heartbeat goes on: the progress
     watchdog ends both processes with exit 75, each leaving every thread's stack in the run folder
     and a line naming the stage, the step and process 1;
-  - SIGTERM to one process only (a preempted VM) inside the student's SFT: the whole group saves
-    the same step and stops;
+  - SIGTERM to one process only (a preempted VM) inside the student's SFT (held at the start of
+    an update until the signal is sent): the whole group saves the same step and stops;
   - SIGKILL of process 1 while OPD writes a checkpoint, and again inside a GRPO update: process 0
     stops within the group's `BDLM_LOST_AFTER_S` (plus a margin) with a message that names process
     1 and says to `resume`; the rerun continues from the latest complete checkpoint (a half-written
@@ -26,8 +26,9 @@
 
 One uninterrupted run serves every comparison (and fills the session's compilation cache for the
 others). The preset is `sigkill_worker.preset(2)`: the smoke preset over a data axis of 2 processes
-with one CPU device each, saving every 2 updates. The kills are timed by polling the checkpoint
-folders, as in `test_sigkill.py`, whose helpers this reuses.
+with one CPU device each, saving every 2 updates. The SFT faults are timed by a process holding at
+an update (`sigkill_worker`'s `BDLM_TEST_HOLD`), the later kills by polling the checkpoint folders,
+as in `test_sigkill.py`, whose helpers this reuses.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _helpers():
 
 _h = _helpers()
 ATTEMPT_TIMEOUT, STAGES, WORKER, Kill, worker = _h.ATTEMPT_TIMEOUT, _h.STAGES, _h.WORKER, _h.Kill, _h.worker
-_env, _inside_grpo, _inside_sft, _opd_saving = _h._env, _h._inside_grpo, _h._inside_sft, _h._opd_saving
+_env, _inside_grpo, _opd_saving = _h._env, _h._inside_grpo, _h._opd_saving
 _last_step, _listing, _saved = _h._last_step, _h._listing, _h._saved
 
 PROCESSES = 2
@@ -72,40 +73,45 @@ MARGIN = 30  # from the kill to the survivor's exit, beyond LOST_AFTER: a loaded
 SLURM_PORTS = range(65536 - 2**12, 65536)  # JAX's SLURM coordinator port: SLURM_JOB_ID % 4096 + 61440
 
 
-STALL = "sft-teacher:5:1"  # process 1 hangs in the teacher's update after step 5 (saves at 2, 4, 6)
+# Where a process holds for a fault (`sigkill_worker`'s `BDLM_TEST_HOLD`, `<stage>:<step>:<process>`:
+# at the start of the stage's update after that step). The SFT faults were once timed by the
+# checkpoint listing; on a loaded host a kill seen at the teacher's step 2 landed after its last
+# update, and the stall that follows then found no update ahead.
+KILL_0 = "sft-teacher:3:0"  # process 0 is killed there (saves at 2, 4, 6)
+STALL = "sft-teacher:5:1"  # process 1 hangs there for good
+TERM = "sft-student:3:1"  # process 1 gets SIGTERM there, then goes on
 STALL_FACTOR, STALL_FLOOR = 3, 10  # the watchdog's allowance in that attempt: max(3 x median, 10 s)
 
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
     """`signal` to process `victim` once `kill.when(case)` holds; without a signal, the fault is
-    the attempt's own (`env`), and `kill.when` only says when it began."""
+    the attempt's own (`env`), and `kill.when` only says when it began. With `release`, the victim
+    holds (`BDLM_TEST_HOLD` in `env`) until its signal is sent."""
 
     kill: Kill
     signal: signal.Signals | None
     victim: int | None = 1
     env: tuple[tuple[str, str], ...] = ()
+    release: bool = False
 
 
-def _inside_sft_teacher(case: Path) -> bool:
-    """The teacher's SFT has saved its first periodic step, two saves (checkpoint_every = 2) before
-    its last: a kill there may race the next save's commit, never the last one's, so the stall
-    fault that follows (`STALL`, the update after step 5) still finds that update ahead. A kill
-    seen at step 4 once landed after step 6 committed, and every later fault then missed."""
-    steps = _h._steps(case, "sft-teacher")
-    return bool(steps) and steps[-1] < _last_step("sft-teacher") - 2
-
-
-def _stalled(case: Path) -> bool:
-    return (case / f"stalled-{STALL.split(':')[2]}").exists()
+def _holding(spec: str):
+    """`when` of a fault that waits for `sigkill_worker`'s hold `spec` to begin: that process has
+    written `held-<process>` and holds at the start of the update."""
+    def when(case: Path) -> bool:
+        return (case / f"held-{spec.split(':')[2]}").exists()
+    return when
 
 
 FAULTS = (
-    Fault(Kill("sigkill-coordinator-inside-sft-teacher", _inside_sft_teacher), signal.SIGKILL, victim=0),
-    Fault(Kill("stall-one-inside-sft-teacher", _stalled), None, victim=None,
-          env=(("BDLM_TEST_STALL", STALL), ("BDLM_STALL_FACTOR", str(STALL_FACTOR)),
+    Fault(Kill("sigkill-coordinator-inside-sft-teacher", _holding(KILL_0)), signal.SIGKILL, victim=0,
+          env=(("BDLM_TEST_HOLD", KILL_0),)),
+    Fault(Kill("stall-one-inside-sft-teacher", _holding(STALL)), None, victim=None,
+          env=(("BDLM_TEST_HOLD", STALL), ("BDLM_STALL_FACTOR", str(STALL_FACTOR)),
                ("BDLM_STALL_FLOOR_S", str(STALL_FLOOR)))),
-    Fault(Kill("sigterm-to-one-inside-sft", _inside_sft), signal.SIGTERM),
+    Fault(Kill("sigterm-to-one-inside-sft", _holding(TERM)), signal.SIGTERM, env=(("BDLM_TEST_HOLD", TERM),),
+          release=True),
     Fault(Kill("sigkill-one-during-opd-save", _opd_saving), signal.SIGKILL),
     Fault(Kill("sigkill-one-inside-grpo", _inside_grpo), signal.SIGKILL),
 )
@@ -153,6 +159,8 @@ def _attempt(case: Path, env: dict[str, str], fault: Fault | None = None, *, slu
     both processes are waited for (the others on their own)."""
     env = {**env, **dict(fault.env)} if fault is not None else env
     case.mkdir(parents=True, exist_ok=True)
+    for held in case.glob("held-*"):  # a hang that the watchdog ended leaves its file
+        held.unlink()
     seen = [len(p.read_text().splitlines()) if p.exists() else 0
             for p in (case / f"restores-{i}.jsonl" for i in range(PROCESSES))]
     offsets = [_log(case, i).stat().st_size if _log(case, i).exists() else 0 for i in range(PROCESSES)]
@@ -177,6 +185,8 @@ def _attempt(case: Path, env: dict[str, str], fault: Fault | None = None, *, slu
                     and fault.kill.when(case):
                 if victim is not None and fault.signal is not None:
                     victim.send_signal(fault.signal)
+                if fault.release:
+                    (case / f"held-{fault.victim}").unlink()
                 faulted = now
             if faulted is not None and survivor is None and all(p.poll() is not None for p in others):
                 survivor = now - faulted
