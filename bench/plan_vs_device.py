@@ -182,8 +182,8 @@ def measure(preset: str, stage: str, program: str, runs: int, attention: str | N
 
 
 def table(results: dict) -> str:
-    lines = ["| preset | stage | program | attention | planned peak | measured peak | measured - planned | time | "
-             "MFU (bf16) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| preset | stage | program | attention | planned peak | measured peak | measured - planned | "
+             "reserved peak | time | MFU (bf16) |", "|---|---|---|---|---|---|---|---|---|---|"]
     stages = ["sft-teacher", "sft-student", "opd", "grpo"]
     for key in sorted(results, key=lambda k: (k.split("/")[0], stages.index(k.split("/")[1]), k.split("/")[2:])):
         r, (preset, stage, program, attention) = results[key], key.split("/")
@@ -192,10 +192,43 @@ def table(results: dict) -> str:
         over = "≤ " if r.get("peak_two_input_sets") else ""
         seen = (f"{over}{measured / GiB:.3f} GiB | {over}{(measured - r['planned_bytes']) / 2**20:+.0f} MiB"
                 if measured is not None else "not kept by this device | ")
+        reserved = _reserved(r)
         time_ = f"{r['step_s'] * 1e3:.1f} ms" if r["step_s"] < 0.1 else f"{r['step_s']:.3f} s"
         lines.append(f"| {preset} | {stage} | {program} | `{attention}` | {r['planned_bytes'] / GiB:.3f} GiB | "
-                     f"{seen} | {time_} | {mfu} |")
+                     f"{seen} | {'' if reserved is None else f'{reserved / GiB:.3f} GiB'} | {time_} | {mfu} |")
     return "\n".join(lines)
+
+
+def _reserved(r: dict) -> int | None:
+    """A TPU runtime's peak of the bytes it reserved for programs (kept since the statistics were)."""
+    return (r.get("memory_stats") or {}).get("peak_bytes_reserved")
+
+
+STAGE_NAMES = {"sft-teacher": "the teacher's SFT", "sft-student": "the student's SFT", "opd": "OPD", "grpo": "GRPO"}
+
+
+def tpu_note(rows: dict) -> str:
+    """What the TPU's allocator statistics count, from the rows whose inputs one program made."""
+    made = {k: r for k, r in rows.items() if r.get("inputs") == "compiled" and _reserved(r) is not None}
+    if not made:
+        return ""
+    gib = lambda values: ", ".join(f"{v / GiB:.2f}" for v in values)  # noqa: E731
+    in_use = [r["measured_peak_bytes"] for r in made.values()]
+    reserved = [_reserved(r) or 0 for r in made.values()]
+    below_temp = [(r["temp_bytes"] - (_reserved(r) or 0)) / GiB for r in made.values()]
+    below_plan = [(r["planned_bytes"] - i - v) / GiB for r, i, v in zip(made.values(), in_use, reserved)]
+    names = ", ".join(str(STAGE_NAMES.get(key.split("/")[1], key.split("/")[1])) for key in made)
+    return ("\n\nOn this TPU runtime a program's temporaries are not in the allocator's bytes in use: the runtime "
+            f"reserves them apart (`peak_bytes_reserved`, the reserved peak column). With each input made by one "
+            f"compiled program (`--inputs compiled`), the train steps' measured peak ({names}) held their arguments "
+            f"({gib(in_use)} GiB against XLA's {gib(r['argument_bytes'] for r in made.values())}), and the reserved "
+            f"peak ({gib(reserved)} GiB) was {min(below_temp):.2f}-{max(below_temp):.2f} GiB below XLA's "
+            f"temporaries ({gib(r['temp_bytes'] for r in made.values())}): in use plus reserved came "
+            f"{min(below_plan):.2f}-{max(below_plan):.2f} GiB below the plan. The rows whose inputs were made op by "
+            "op measure the making of the inputs (float32 intermediates that asynchronous dispatch piles up) more "
+            "than the program; `earlier_peak_bytes` in the results says whether the runs rose above the process's "
+            "peak before them. Rows without a reserved peak were measured before the statistics were kept. On the "
+            "H200 measured and planned agree within 1 MB.")
 
 
 def rollout_lines(results: dict) -> list[str]:
@@ -218,16 +251,6 @@ def rollout_lines(results: dict) -> list[str]:
 
 
 SECTIONS = {"gpu": "plan_vs_device", "tpu": "plan_vs_device_tpu", "cpu": "plan_vs_device_cpu"}
-# What one experiment on the v5e chip showed about its allocator's statistics (jax 0.10.2's libtpu)
-TPU_NOTE = ("\n\nOn this TPU runtime the measured column is not a program's peak. The allocator's statistics "
-            "appear not to count the temporaries XLA assigns a program: OPD's train step (XLA: 4.02 GiB of "
-            "arguments, 7.75 GiB of temporaries) read 4.06 GiB when each input was made by one compiled program "
-            "(`--inputs compiled`) and 15.02 GiB when they were made op by op, as for the other rows, whose "
-            "float32 intermediates asynchronous dispatch piles up. So those rows measure the making of the inputs "
-            "more than the program; `earlier_peak_bytes` in the results says whether the runs rose above the "
-            "process's peak before them. On the H200 measured and planned agree within 1 MB.")
-
-
 def _write_table(results: dict, markdown: Path | None = None) -> None:
     by_platform: dict[str, dict] = {}
     for key, r in results.items():
@@ -245,10 +268,13 @@ def _write_table(results: dict, markdown: Path | None = None) -> None:
                       "builder for one device, compiled, and read as a TPU plan reads it (planned peak: arguments + "
                       "outputs - aliased + temporaries + code, XLA's memory analysis); then run on inputs of its "
                       "shapes: measured peak is the allocator's peak in use during the runs, less what was in use "
-                      "before the inputs were made; time the median of the runs after the first; MFU the model's "
-                      "matmul FLOPs (3 x forward, 2 x under LoRA: the frozen weights get no gradient) per second over "
+                      "before the inputs were made; reserved peak a TPU runtime's peak of the bytes it reserves "
+                      "for programs (the process's, blank where not kept); time the median of the runs after the "
+                      "first; MFU the model's matmul FLOPs (3 x forward, 2 x under LoRA: the frozen weights get no "
+                      "gradient) per second over "
                       f"the best bfloat16 {first['peak_n']}³ product in the same process ({peaks[0]:.0f} to "
-                      f"{peaks[-1]:.0f} TFLOP/s).\n\n" + table(rows) + caveat + (TPU_NOTE if platform == "tpu" else "")
+                      f"{peaks[-1]:.0f} TFLOP/s).\n\n" + table(rows) + caveat
+                      + (tpu_note(rows) if platform == "tpu" else "")
                       + ("\n\nRollouts:\n\n" + "\n".join(notes) if notes else ""),
                       **({} if markdown is None else {"markdown": markdown}), measured_on=first.get("machine"))
 

@@ -17,7 +17,8 @@ the most steps a rollout can take.
 
 Each stage runs in its own process (`--stage sft`, then `opd`, then `grpo`, each restoring the
 finished stages as a rerun does), so the allocator's peak is that stage's; `--stage` runs one of
-them (a later one needs the earlier ones' folder, `--work`). Results merge into
+them (a later one needs the earlier ones' folder, `--work`, and the same `--attention`, which
+replaces both models' attention and keeps its results apart). Results merge into
 `bench/results/stages_on_device.json` under the device's kind; a CPU run (`--shrink`: a model of
 the same layout at toy sizes) checks the script and keeps none.
 """
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import ROOT, preset_data, results_path, write_results, write_section  # noqa: E402
+from _report import ROOT, machine, preset_data, results_path, write_results, write_section  # noqa: E402
 
 CHATML = ROOT / "packages" / "models" / "tests" / "fixtures" / "hf" / "chatml"
 STAGES = {"sft": ("sft-teacher", "sft-student"), "opd": ("opd",), "grpo": ("grpo",)}
@@ -62,9 +63,12 @@ def write_checkpoint(preset: dict, folder: Path, *, shrink: bool) -> dict:
     return raw
 
 
-def chain_preset(preset: dict, checkpoint: Path, output_dir: Path, steps: int, eval_n: int) -> dict:
-    """The preset with both models at `checkpoint`, `steps` steps per stage and a small evaluation."""
-    models = {role: {"pretrained": str(checkpoint)} for role in ("teacher", "student")}
+def chain_preset(preset: dict, checkpoint: Path, output_dir: Path, steps: int, eval_n: int,
+                 attention: str | None = None) -> dict:
+    """The preset with both models at `checkpoint` (and `attention`, when given), `steps` steps per
+    stage and a small evaluation."""
+    models = {role: {"pretrained": str(checkpoint), **({"attention": attention} if attention else {})}
+              for role in ("teacher", "student")}
     eval_batch = min(eval_n, preset.get("eval", {}).get("batch_size", eval_n))
     return preset_data(preset, seed=0, output_dir=output_dir, **models,
                        sft={"steps": steps}, opd={"steps": steps}, grpo={"steps": steps},
@@ -102,7 +106,8 @@ def _device(jax) -> dict:
     stats = jax.local_devices()[0].memory_stats() or {}
     return {"peak_bytes": stats.get("peak_bytes_in_use"), "bytes_limit": stats.get("bytes_limit"),
             "memory_stats": dict(stats),  # every key the runtime keeps, for later reading
-            "device": f"{jax.devices()[0].platform}:{jax.devices()[0].device_kind}", "jax": jax.__version__}
+            "device": f"{jax.devices()[0].platform}:{jax.devices()[0].device_kind}", "jax": jax.__version__,
+            "machine": f"one {jax.devices()[0].device_kind} beside {machine()}, jax {jax.__version__}"}
 
 
 def planned(plan: Path | None) -> dict:
@@ -118,8 +123,9 @@ def planned(plan: Path | None) -> dict:
 
 def table(result: dict) -> str:
     rows = ["| stage | first step (compile included) s | steady step s | planned train step s | evaluation s "
-            "| NFE per token | peak GiB in the stage's process | planned peak GiB | peak reached in |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| NFE per token | peak GiB in the stage's process | reserved peak GiB | planned peak GiB "
+            "| peak reached in |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     plan = result.get("plan", {})
     for until, names in STAGES.items():
         run = result.get(until)
@@ -128,15 +134,18 @@ def table(result: dict) -> str:
         if "failed" in run:
             peak = f"{run['peak_bytes'] / GiB:.2f}" if run.get("peak_bytes") else ""
             at = f" ({run['at']})" if run.get("at") else ""
-            rows.append(f"| {' and '.join(names)} | failed{at}: {run['failed']} |  |  |  |  | {peak} |  |  |")
+            rows.append(f"| {' and '.join(names)} | failed{at}: {run['failed']} |  |  |  |  | {peak} |  |  |  |")
             continue
         for name in names:
             r, p = run[name], plan.get(name, {})
             train_s = f"{p['train_step_s']:.2f}" if p.get("train_step_s") else ""
             nfe = f"{r['nfe_per_token']:.2f}" if r.get("nfe_per_token") is not None else ""
             plan_peak = f"{p['peak'] / GiB:.2f}" if p else ""
+            reserved = (run.get("memory_stats") or {}).get("peak_bytes_reserved")
             rows.append(f"| {name} | {r['first_step_s']:.1f} | {r['step_s']:.2f} | {train_s} | {r['eval_s']:.1f} | "
-                        f"{nfe} | {(run['peak_bytes'] or 0) / GiB:.2f} | {plan_peak} | {_peaked_in(r.get('memory'))} |")
+                        f"{nfe} | {(run['peak_bytes'] or 0) / GiB:.2f} | "
+                        f"{'' if reserved is None else f'{reserved / GiB:.2f}'} | {plan_peak} | "
+                        f"{_peaked_in(r.get('memory'))} |")
     return "\n".join(rows)
 
 
@@ -148,17 +157,21 @@ def _peaked_in(memory: dict | None) -> str:
 
 def write_table(results: dict) -> None:
     for kind, result in results.items():
-        write_section(f"stages_on_device_{kind.split(':')[0]}",
-                      f"## The stage chain on a device: {kind} (`bench/stages_on_device.py`)\n\n"
+        attention = result.get("attention")  # a run with `--attention`: its own section
+        write_section(f"stages_on_device_{kind.split(':')[0]}" + (f"_{attention}" if attention else ""),
+                      f"## The stage chain on a device: {kind.split(' attention=')[0]}"
+                      + (f", `{attention}` attention" if attention else "") + " (`bench/stages_on_device.py`)\n\n"
                       f"`{result['preset']}` run by `bd_train.stages`' chain, {result['steps']} steps per stage, "
                       f"random weights of its shapes, each stage in its own process (peak: the allocator's, "
                       f"restoring the finished stages included), evaluated on {result['eval_n']} problems; jax "
                       f"{result['jax']}. Steady step: (the stage's training time - its first step) / (steps - 1); "
                       "for OPD and GRPO it holds the rollouts, scoring and update of a step, the plan's figure the "
-                      "update alone. Planned: the plan given (`--plan`): a stage's largest program with what the stage "
-                      "holds beside it (blank times: planned with `--cost none`). Peak reached in: the first of the "
-                      "stage's phases (`StageResult.memory`: state, first update, trained, merged, evaluated) whose "
-                      "allocator peak is the stage's (blank: measured before the stages recorded them)."
+                      "update alone. Planned: the plan given (`--plan`): a stage's largest program with what the "
+                      "stage holds beside it (blank times: planned with `--cost none`). Reserved peak: a TPU "
+                      "runtime's peak of the bytes it reserves for compiled programs' temporaries, which the "
+                      "allocator's peak leaves out (blank: not kept then). Peak reached in: the first of the stage's "
+                      "phases (`StageResult.memory`: state, first update, trained, merged, evaluated) whose allocator "
+                      "peak is the stage's (blank: measured before the stages recorded them)."
                       + (f" Code: {result['code']}." if result.get("code") else "") + "\n\n" + table(result),
                       measured_on=result.get("machine"))
 
@@ -172,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stage", choices=tuple(STAGES), help="run only the chain up to this stage")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bdlm_stages_on_device"))
     parser.add_argument("--shrink", action="store_true", help="toy sizes of the same layout (a CPU's check)")
+    parser.add_argument("--attention", help="replace both models' attention (splash, pallas, ...): its own results")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # the stage a child process runs
     parser.add_argument("--table", action="store_true", help="only write BENCHMARKS.md's section")
     args = parser.parse_args(argv)
@@ -190,17 +204,19 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(args.work, ignore_errors=True)
         args.work.mkdir(parents=True)
         preset = tomllib.loads(args.preset.read_text())
-        data = chain_preset(preset, args.work / "checkpoint", args.work / "runs", args.steps, args.eval_n)
+        data = chain_preset(preset, args.work / "checkpoint", args.work / "runs", args.steps, args.eval_n,
+                            args.attention)
         (args.work / "preset.json").write_text(json.dumps(data, indent=1))
     result = {"preset": str(args.preset.relative_to(ROOT) if args.preset.is_absolute() else args.preset),
-              "steps": args.steps, "eval_n": args.eval_n, "plan": planned(args.plan)}
+              "steps": args.steps, "eval_n": args.eval_n, "plan": planned(args.plan),
+              **({"attention": args.attention} if args.attention else {})}
     for until in STAGES if args.stage is None else (args.stage,):
         print(f"== {until}", flush=True)
         (args.work / f"{until}.json").unlink(missing_ok=True)
         subprocess.run([sys.executable, __file__, str(args.preset), "--child", until, "--work", str(args.work)]
                        + ["--shrink"] * args.shrink, check=False)
         result[until] = json.loads((args.work / f"{until}.json").read_text())
-        result |= {"jax": result[until]["jax"], "device": result[until]["device"]}
+        result |= {key: result[until][key] for key in ("jax", "device", "machine") if key in result[until]}
         print(json.dumps(result[until], indent=1), flush=True)
         if "failed" in result[until]:
             break
@@ -208,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         print(table(result))  # a check of the script: no result kept
         return
     results = json.loads(path.read_text()) if path.exists() else {}
-    kind = result["device"]
+    kind = result["device"] + (f" attention={args.attention}" if args.attention else "")
     write_results("stages_on_device", {**results, kind: {**results.get(kind, {}), **result}})
     write_table(json.loads(path.read_text()))
 

@@ -71,6 +71,27 @@ def test_plan_vs_device_runs_a_plans_program_and_renders(tmp_path, inputs):
     assert "| smoke | sft-student | train step | `blocked` |" in text and "not kept by this device" in text
 
 
+def test_a_tpus_reserved_bytes_are_read_beside_the_plan():
+    """On a TPU the runtime reserves a program's temporaries apart from the bytes in use: the table
+    shows the reserved peak, and the note sets arguments plus reserved against the plan."""
+    import plan_vs_device
+
+    GiB = 2**30
+    row = {"device": "tpu: TPU v5 lite", "inputs": "compiled", "planned_bytes": 21 * GiB // 2,
+           "argument_bytes": 3 * GiB, "temp_bytes": 7 * GiB, "measured_peak_bytes": 3 * GiB,
+           "memory_stats": {"peak_bytes_in_use": 3 * GiB, "peak_bytes_reserved": 6 * GiB},
+           "step_s": 0.4, "mfu": 0.5}
+    rows = {"p/opd/train step/blocked, compiled inputs": row,
+            "p/sft-student/train step/blocked": {**row, "inputs": "ops", "memory_stats": {}}}
+    table = plan_vs_device.table(rows)
+    assert ("| p | opd | train step | `blocked, compiled inputs` | 10.500 GiB | 3.000 GiB | -7680 MiB | 6.000 GiB |"
+            in table)
+    assert "| p | sft-student | train step | `blocked` | 10.500 GiB | 3.000 GiB | -7680 MiB |  |" in table
+    note = plan_vs_device.tpu_note(rows)  # from the rows whose inputs one program made
+    assert "(OPD)" in note and "(6.00 GiB) was 1.00-1.00 GiB below" in note and "1.50-1.50 GiB below the plan" in note
+    assert plan_vs_device.tpu_note({"k/opd/train step/blocked": rows["p/sft-student/train step/blocked"]}) == ""
+
+
 def test_trace_replay_measures_the_cpus_float32_replay_within_float_tolerance(tmp_path):
     """On a CPU float32 products are float32 at any precision: the script's drift is the tests'
     1e-5 (an accelerator's default precision is what it measures)."""
@@ -110,10 +131,13 @@ def test_stages_on_device_writes_a_loadable_checkpoint_and_renders_a_failed_stag
     config = pipeline_config(parse_pipeline_config(data))
     assert (config.sft.steps, config.grpo.steps, config.eval.n) == (3, 3, 8)
     assert config.opd.microbatches == preset["opd"]["microbatches"]  # the preset's batches are kept
+    splash = pipeline_config(parse_pipeline_config(sod.chain_preset(
+        preset, tmp_path / "checkpoint", tmp_path / "runs", steps=3, eval_n=8, attention="splash")))
+    assert splash.teacher.attention == splash.student.attention == "splash"
     run = {"sft-teacher": {"first_step_s": 20.0, "step_s": 0.6, "updates": 3, "eval_s": 30.0, "nfe_per_token": 1.0},
-           "peak_bytes": 15 * 2**30}
+           "peak_bytes": 15 * 2**30, "memory_stats": {"peak_bytes_reserved": 6 * 2**30}}
     run["sft-student"] = run["sft-teacher"]
     table = sod.table({"sft": run, "opd": {"failed": "ValueError: RESOURCE_EXHAUSTED", "peak_bytes": None},
                        "plan": {"sft-teacher": {"peak": 11 * 2**30, "train_step_s": 0.36}}})
-    assert "| sft-teacher | 20.0 | 0.60 | 0.36 | 30.0 | 1.00 | 15.00 | 11.00 |" in table
+    assert "| sft-teacher | 20.0 | 0.60 | 0.36 | 30.0 | 1.00 | 15.00 | 6.00 | 11.00 |" in table
     assert "| opd | failed: ValueError: RESOURCE_EXHAUSTED |" in table

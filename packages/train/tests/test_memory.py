@@ -45,6 +45,8 @@ def test_phases_are_read_in_order_and_the_peak_is_placed_where_it_was_reached():
     assert log["merged"] == {"in_use_gib": 6.0, "peak_gib": 10.0}
     assert log["evaluated"] == {"in_use_gib": 8.0, "peak_gib": 10.0}
     assert log.peaked_in() == "merged" == peaked_in(dict(log))
+    assert log.summary() == {"memory/peak_gib": 10.0, "memory/state_gib": 3.0, "memory/merged_gib": 6.0,
+                             "memory/evaluated_gib": 8.0}
     assert device_memory(chip)["in_use_gib"] * GiB == chip.in_use
 
 
@@ -62,3 +64,16 @@ def test_the_peak_is_placed_in_the_stages_order_even_from_json_with_sorted_keys(
     kept = json.loads(json.dumps(dict(log), sort_keys=True))
     assert list(kept)[0] == "evaluated"
     assert peaked_in(kept) == "state" == log.peaked_in()
+
+
+def test_a_tpus_reserved_bytes_are_kept_beside_the_allocators_peak():
+    """A TPU's runtime reserves a compiled program's temporaries apart from the bytes in use."""
+    chip = _Allocator()
+    stats = chip.memory_stats
+    chip.memory_stats = lambda: {**stats(), "bytes_reserved": 6 << 30, "peak_bytes_reserved": 7 << 30}  # type: ignore[method-assign]
+    log = MemoryLog(lambda: device_memory(chip))
+    chip.hold(3 << 30)
+    log.mark("first update")
+    assert log["first update"] == {"in_use_gib": 3.0, "peak_gib": 3.0, "reserved_peak_gib": 7.0}
+    assert log.peaked_in() == "first update"
+    assert log.summary() == {"memory/peak_gib": 3.0, "memory/reserved_peak_gib": 7.0, "memory/first_update_gib": 3.0}

@@ -317,8 +317,7 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
         log_evaluation(tracker, evaluation, step=spec.total)
         tracker.summary({f"params_{k}": v for k, v in count_params(state.model).items()})
         if memory:  # the accelerator's (a CPU keeps no statistics)
-            in_use = {f"memory/{phase.replace(' ', '_')}_gib": r["in_use_gib"] for phase, r in memory.items()}
-            tracker.summary({"memory/peak_gib": list(memory.values())[-1]["peak_gib"], **in_use})
+            tracker.summary(memory.summary())
         gain = None
         if spec.start is not None and spec.start.evaluation is not None:
             intervals = gain_intervals(evaluation, spec.start.evaluation)

@@ -1,5 +1,6 @@
 """The accelerator's memory at a stage's phases: the allocator's bytes in use and its peak so far,
-read where the backend keeps statistics (TPU and GPU; a CPU keeps none, and nothing is recorded).
+read where the backend keeps statistics (TPU and GPU; a CPU keeps none, and nothing is recorded),
+and on a TPU the peak of what its runtime reserved for compiled programs.
 
 The peak is the process's since it began, so it only grows: the first phase whose peak equals the
 stage's last is where the stage reached it (`MemoryLog.peaked_in`). In a process that runs several
@@ -7,8 +8,10 @@ stages (`python -m bd_train.stages run`), a stage that never rose above an earli
 names its first phase, `state`, which also holds whatever the process did before the stage (a
 rerun restores the finished stages first). A plan (`bd_train.plan`) gives each program's peak;
 these readings are what the whole stage held, its state, evaluation and the adapters' merge
-included, as far as the allocator counts it: on a TPU v5e it appears not to count the temporaries
-XLA assigns a compiled program (SCALING.md).
+included, as far as the allocator counts it. A TPU's runtime keeps a compiled program's
+temporaries apart, in its reserved bytes: on a v5e a train step's `peak_bytes_in_use` held its
+arguments and `peak_bytes_reserved` 0.97-0.99 GiB less than the temporaries XLA assigns it
+(SCALING.md), so a TPU's readings carry `reserved_peak_gib` too.
 """
 
 from __future__ import annotations
@@ -22,13 +25,17 @@ GiB = float(1 << 30)
 
 
 def device_memory(device: Any = None) -> dict[str, float] | None:
-    """`{"in_use_gib", "peak_gib"}` of `device` (default: this process's first), or None where its
-    backend keeps no statistics."""
+    """`{"in_use_gib", "peak_gib"}` of `device` (default: this process's first), with
+    `"reserved_peak_gib"` where the runtime reserves programs' temporaries apart (a TPU's
+    `peak_bytes_reserved`), or None where its backend keeps no statistics."""
     stats = (device if device is not None else jax.local_devices()[0]).memory_stats()
     if not stats or "bytes_in_use" not in stats:
         return None
-    return {"in_use_gib": stats["bytes_in_use"] / GiB,
-            "peak_gib": stats.get("peak_bytes_in_use", stats["bytes_in_use"]) / GiB}
+    reading = {"in_use_gib": stats["bytes_in_use"] / GiB,
+               "peak_gib": stats.get("peak_bytes_in_use", stats["bytes_in_use"]) / GiB}
+    if "peak_bytes_reserved" in stats:
+        reading["reserved_peak_gib"] = stats["peak_bytes_reserved"] / GiB
+    return reading
 
 
 class MemoryLog(dict[str, dict[str, float]]):
@@ -45,6 +52,14 @@ class MemoryLog(dict[str, dict[str, float]]):
         reading = self._read()
         if reading is not None:
             self[phase] = reading
+
+    def summary(self) -> dict[str, float]:
+        """The run summary's `memory/*`: the peak by the last phase (and the reserved peak, on a
+        TPU) and the GiB in use at each phase."""
+        last = list(self.values())[-1]
+        return {"memory/peak_gib": last["peak_gib"],
+                **({"memory/reserved_peak_gib": last["reserved_peak_gib"]} if "reserved_peak_gib" in last else {}),
+                **{f"memory/{phase.replace(' ', '_')}_gib": r["in_use_gib"] for phase, r in self.items()}}
 
     def peaked_in(self) -> str | None:
         """The first phase, in the stage's order, whose peak is the stage's (`peaked_in`)."""
