@@ -201,7 +201,7 @@ def table(results: dict) -> str:
 
 def _reserved(r: dict) -> int | None:
     """A TPU runtime's peak of the bytes it reserved for programs (kept since the statistics were)."""
-    return (r.get("memory_stats") or {}).get("peak_bytes_reserved")
+    return (r.get("memory_stats") or {}).get("peak_bytes_reserved") or None  # other runtimes report 0
 
 
 STAGE_NAMES = {"sft-teacher": "the teacher's SFT", "sft-student": "the student's SFT", "opd": "OPD", "grpo": "GRPO"}

@@ -141,7 +141,7 @@ def table(result: dict) -> str:
             train_s = f"{p['train_step_s']:.2f}" if p.get("train_step_s") else ""
             nfe = f"{r['nfe_per_token']:.2f}" if r.get("nfe_per_token") is not None else ""
             plan_peak = f"{p['peak'] / GiB:.2f}" if p else ""
-            reserved = (run.get("memory_stats") or {}).get("peak_bytes_reserved")
+            reserved = (run.get("memory_stats") or {}).get("peak_bytes_reserved") or None  # a TPU's; others 0
             rows.append(f"| {name} | {r['first_step_s']:.1f} | {r['step_s']:.2f} | {train_s} | {r['eval_s']:.1f} | "
                         f"{nfe} | {(run['peak_bytes'] or 0) / GiB:.2f} | "
                         f"{'' if reserved is None else f'{reserved / GiB:.2f}'} | {plan_peak} | "
@@ -207,6 +207,10 @@ def main(argv: list[str] | None = None) -> None:
         data = chain_preset(preset, args.work / "checkpoint", args.work / "runs", args.steps, args.eval_n,
                             args.attention)
         (args.work / "preset.json").write_text(json.dumps(data, indent=1))
+    kept = json.loads((args.work / "preset.json").read_text())["student"].get("attention")
+    if kept != args.attention:
+        parser.error(f"--attention {args.attention} but {args.work} holds a chain run with {kept}: give the same "
+                     "--attention as its --stage sft run (or run --stage sft again)")
     result = {"preset": str(args.preset.relative_to(ROOT) if args.preset.is_absolute() else args.preset),
               "steps": args.steps, "eval_n": args.eval_n, "plan": planned(args.plan),
               **({"attention": args.attention} if args.attention else {})}

@@ -3,6 +3,7 @@ end to end at its small size on CPU, so it is ready when a GPU is: every kernel'
 and gradients stay near float32 dense attention, and its BENCHMARKS.md section renders. The 1B
 train step it times on a GPU lowers for CUDA here, its attention through three Triton kernels."""
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -141,3 +142,8 @@ def test_stages_on_device_writes_a_loadable_checkpoint_and_renders_a_failed_stag
                        "plan": {"sft-teacher": {"peak": 11 * 2**30, "train_step_s": 0.36}}})
     assert "| sft-teacher | 20.0 | 0.60 | 0.36 | 30.0 | 1.00 | 15.00 | 6.00 | 11.00 |" in table
     assert "| opd | failed: ValueError: RESOURCE_EXHAUSTED |" in table
+    # a later stage with another --attention than the chain's first would file its results wrongly
+    (tmp_path / "preset.json").write_text(json.dumps(data))
+    with pytest.raises(SystemExit):
+        sod.main(["--stage", "opd", "--attention", "splash", "--work", str(tmp_path)])
+    assert "attention" not in data["student"] and not (tmp_path / "opd.json").exists()

@@ -86,8 +86,9 @@ STALL_FACTOR, STALL_FLOOR = 3, 10  # the watchdog's allowance in that attempt: m
 @dataclasses.dataclass(frozen=True)
 class Fault:
     """`signal` to process `victim` once `kill.when(case)` holds; without a signal, the fault is
-    the attempt's own (`env`), and `kill.when` only says when it began. With `release`, the victim
-    holds (`BDLM_TEST_HOLD` in `env`) until its signal is sent."""
+    the attempt's own (`env`), and `kill.when` only says when it began. With `release`, the test
+    removes the victim's hold file (`BDLM_TEST_HOLD` in `env`) once the signal is sent, so that the
+    victim goes on."""
 
     kill: Kill
     signal: signal.Signals | None
@@ -185,8 +186,8 @@ def _attempt(case: Path, env: dict[str, str], fault: Fault | None = None, *, slu
                     and fault.kill.when(case):
                 if victim is not None and fault.signal is not None:
                     victim.send_signal(fault.signal)
-                if fault.release:
-                    (case / f"held-{fault.victim}").unlink()
+                if fault.release:  # the hold's own process, which the fault's victim is
+                    (case / f"held-{dict(fault.env)['BDLM_TEST_HOLD'].split(':')[2]}").unlink()
                 faulted = now
             if faulted is not None and survivor is None and all(p.poll() is not None for p in others):
                 survivor = now - faulted

@@ -77,3 +77,5 @@ def test_a_tpus_reserved_bytes_are_kept_beside_the_allocators_peak():
     assert log["first update"] == {"in_use_gib": 3.0, "peak_gib": 3.0, "reserved_peak_gib": 7.0}
     assert log.peaked_in() == "first update"
     assert log.summary() == {"memory/peak_gib": 3.0, "memory/reserved_peak_gib": 7.0, "memory/first_update_gib": 3.0}
+    chip.memory_stats = lambda: {**stats(), "peak_bytes_reserved": 0}  # type: ignore[method-assign]
+    assert "reserved_peak_gib" not in device_memory(chip)  # a GPU's runtime reports 0

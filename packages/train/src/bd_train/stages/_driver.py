@@ -128,8 +128,8 @@ class StageResult:
     # compiled update's time.
     seconds: dict[str, float] | None = None
     # The accelerator's memory at the stage's phases (`state`, `first update`, `trained`, `merged`,
-    # `evaluated`): `{phase: {"in_use_gib", "peak_gib"}}` (the peak is the process's so far: `_memory`);
-    # None where the backend keeps no statistics.
+    # `evaluated`): `{phase: {"in_use_gib", "peak_gib"}}`, and on a TPU `"reserved_peak_gib"` (peaks
+    # are the process's so far: `_memory`); None where the backend keeps no statistics.
     memory: dict[str, dict[str, float]] | None = None
     # The evaluation's paired change over the model the stage started from: {"over": its stage,
     # "metrics": {"accuracy": Interval.to_dict(), "mean_reward": ..., "pass@k": ...}}.

@@ -1,6 +1,7 @@
 """The accelerator's memory at a stage's phases: the allocator's bytes in use and its peak so far,
 read where the backend keeps statistics (TPU and GPU; a CPU keeps none, and nothing is recorded),
-and on a TPU the peak of what its runtime reserved for compiled programs.
+and on a TPU the peak of what its runtime reserved for compiled programs (other backends report
+none, or 0).
 
 The peak is the process's since it began, so it only grows: the first phase whose peak equals the
 stage's last is where the stage reached it (`MemoryLog.peaked_in`). In a process that runs several
@@ -9,7 +10,7 @@ names its first phase, `state`, which also holds whatever the process did before
 rerun restores the finished stages first). A plan (`bd_train.plan`) gives each program's peak;
 these readings are what the whole stage held, its state, evaluation and the adapters' merge
 included, as far as the allocator counts it. A TPU's runtime keeps a compiled program's
-temporaries apart, in its reserved bytes: on a v5e a train step's `peak_bytes_in_use` held its
+temporaries apart, in its reserved bytes: on a v5e (jax 0.10.2's libtpu) a train step's `peak_bytes_in_use` held its
 arguments and `peak_bytes_reserved` 0.97-0.99 GiB less than the temporaries XLA assigns it
 (SCALING.md), so a TPU's readings carry `reserved_peak_gib` too.
 """
@@ -33,7 +34,7 @@ def device_memory(device: Any = None) -> dict[str, float] | None:
         return None
     reading = {"in_use_gib": stats["bytes_in_use"] / GiB,
                "peak_gib": stats.get("peak_bytes_in_use", stats["bytes_in_use"]) / GiB}
-    if "peak_bytes_reserved" in stats:
+    if stats.get("peak_bytes_reserved"):  # other backends report 0, or nothing
         reading["reserved_peak_gib"] = stats["peak_bytes_reserved"] / GiB
     return reading
 
