@@ -43,6 +43,18 @@ def machine() -> str:
             f"model {info.get('model', '?')}), {isa}, {malloc}")
 
 
+def device_machine(device) -> str:
+    """The machine a device's figures were measured on: this host, with the accelerator's chip when
+    the device is one."""
+    return machine() if device.platform == "cpu" else f"one {device.device_kind} beside {machine()}"
+
+
+def reserved_bytes(result: dict) -> int | None:
+    """A TPU runtime's peak of the bytes it reserved for compiled programs' temporaries, from a
+    result's stored `memory_stats` (None where not kept; other runtimes report 0)."""
+    return (result.get("memory_stats") or {}).get("peak_bytes_reserved") or None
+
+
 def write_section(name: str, body: str, markdown: Path = MARKDOWN, *, measured_on: str | None = None) -> None:
     """Replace this benchmark's section of `markdown` (BENCHMARKS.md unless given; appended if
     missing), nothing else. The section ends with the machine it was measured on: this one unless

@@ -34,7 +34,7 @@ import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import ROOT, machine, results_path, write_results, write_section  # noqa: E402
+from _report import ROOT, device_machine, reserved_bytes, results_path, write_results, write_section  # noqa: E402
 
 GiB = 1 << 30
 
@@ -157,7 +157,7 @@ def measure(preset: str, stage: str, program: str, runs: int, attention: str | N
     peak = bf16_peak(peak_n)
     result = {
         "device": f"{device.platform}: {device.device_kind}", "jax": jax.__version__,
-        "machine": machine() if device.platform == "cpu" else f"one {device.device_kind} beside {machine()}",
+        "machine": device_machine(device),
         "attention": data.get(role, {}).get("attention", ModelConfig.attention), "inputs": inputs,
         "planned_bytes": int(planned), "argument_bytes": int(m.argument_size_in_bytes),
         "temp_bytes": int(m.temp_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes),
@@ -192,16 +192,11 @@ def table(results: dict) -> str:
         over = "≤ " if r.get("peak_two_input_sets") else ""
         seen = (f"{over}{measured / GiB:.3f} GiB | {over}{(measured - r['planned_bytes']) / 2**20:+.0f} MiB"
                 if measured is not None else "not kept by this device | ")
-        reserved = _reserved(r)
+        reserved = reserved_bytes(r)
         time_ = f"{r['step_s'] * 1e3:.1f} ms" if r["step_s"] < 0.1 else f"{r['step_s']:.3f} s"
         lines.append(f"| {preset} | {stage} | {program} | `{attention}` | {r['planned_bytes'] / GiB:.3f} GiB | "
                      f"{seen} | {'' if reserved is None else f'{reserved / GiB:.3f} GiB'} | {time_} | {mfu} |")
     return "\n".join(lines)
-
-
-def _reserved(r: dict) -> int | None:
-    """A TPU runtime's peak of the bytes it reserved for programs (kept since the statistics were)."""
-    return (r.get("memory_stats") or {}).get("peak_bytes_reserved") or None  # other runtimes report 0
 
 
 STAGE_NAMES = {"sft-teacher": "the teacher's SFT", "sft-student": "the student's SFT", "opd": "OPD", "grpo": "GRPO"}
@@ -209,21 +204,21 @@ STAGE_NAMES = {"sft-teacher": "the teacher's SFT", "sft-student": "the student's
 
 def tpu_note(rows: dict) -> str:
     """What the TPU's allocator statistics count, from the rows whose inputs one program made."""
-    made = {k: r for k, r in rows.items() if r.get("inputs") == "compiled" and _reserved(r) is not None}
+    made = {k: (r, v) for k, r in rows.items() if r.get("inputs") == "compiled" and (v := reserved_bytes(r))}
     if not made:
         return ""
     gib = lambda values: ", ".join(f"{v / GiB:.2f}" for v in values)  # noqa: E731
-    in_use = [r["measured_peak_bytes"] for r in made.values()]
-    reserved = [_reserved(r) or 0 for r in made.values()]
-    below_temp = [(r["temp_bytes"] - (_reserved(r) or 0)) / GiB for r in made.values()]
-    below_plan = [(r["planned_bytes"] - i - v) / GiB for r, i, v in zip(made.values(), in_use, reserved)]
+    in_use = [r["measured_peak_bytes"] for r, _ in made.values()]
+    reserved = [v for _, v in made.values()]
+    below_temp = [(r["temp_bytes"] - v) / GiB for r, v in made.values()]
+    below_plan = [(r["planned_bytes"] - i - v) / GiB for (r, v), i in zip(made.values(), in_use)]
     names = ", ".join(str(STAGE_NAMES.get(key.split("/")[1], key.split("/")[1])) for key in made)
     return ("\n\nOn this TPU runtime a program's temporaries are not in the allocator's bytes in use: the runtime "
             f"reserves them apart (`peak_bytes_reserved`, the reserved peak column). With each input made by one "
             f"compiled program (`--inputs compiled`), the train steps' measured peak ({names}) held their arguments "
-            f"({gib(in_use)} GiB against XLA's {gib(r['argument_bytes'] for r in made.values())}), and the reserved "
+            f"({gib(in_use)} GiB against XLA's {gib(r['argument_bytes'] for r, _ in made.values())}), and the reserved "
             f"peak ({gib(reserved)} GiB) was {min(below_temp):.2f}-{max(below_temp):.2f} GiB below XLA's "
-            f"temporaries ({gib(r['temp_bytes'] for r in made.values())}): in use plus reserved came "
+            f"temporaries ({gib(r['temp_bytes'] for r, _ in made.values())}): in use plus reserved came "
             f"{min(below_plan):.2f}-{max(below_plan):.2f} GiB below the plan. The rows whose inputs were made op by "
             "op measure the making of the inputs (float32 intermediates that asynchronous dispatch piles up) more "
             "than the program; `earlier_peak_bytes` in the results says whether the runs rose above the process's "

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import ROOT, machine, preset_data, results_path, write_results, write_section  # noqa: E402
+from _report import ROOT, device_machine, preset_data, reserved_bytes, results_path, write_results, write_section  # noqa: E402
 
 CHATML = ROOT / "packages" / "models" / "tests" / "fixtures" / "hf" / "chatml"
 STAGES = {"sft": ("sft-teacher", "sft-student"), "opd": ("opd",), "grpo": ("grpo",)}
@@ -107,7 +107,7 @@ def _device(jax) -> dict:
     return {"peak_bytes": stats.get("peak_bytes_in_use"), "bytes_limit": stats.get("bytes_limit"),
             "memory_stats": dict(stats),  # every key the runtime keeps, for later reading
             "device": f"{jax.devices()[0].platform}:{jax.devices()[0].device_kind}", "jax": jax.__version__,
-            "machine": f"one {jax.devices()[0].device_kind} beside {machine()}, jax {jax.__version__}"}
+            "machine": f"{device_machine(jax.devices()[0])}, jax {jax.__version__}"}
 
 
 def planned(plan: Path | None) -> dict:
@@ -141,7 +141,7 @@ def table(result: dict) -> str:
             train_s = f"{p['train_step_s']:.2f}" if p.get("train_step_s") else ""
             nfe = f"{r['nfe_per_token']:.2f}" if r.get("nfe_per_token") is not None else ""
             plan_peak = f"{p['peak'] / GiB:.2f}" if p else ""
-            reserved = (run.get("memory_stats") or {}).get("peak_bytes_reserved") or None  # a TPU's; others 0
+            reserved = reserved_bytes(run)
             rows.append(f"| {name} | {r['first_step_s']:.1f} | {r['step_s']:.2f} | {train_s} | {r['eval_s']:.1f} | "
                         f"{nfe} | {(run['peak_bytes'] or 0) / GiB:.2f} | "
                         f"{'' if reserved is None else f'{reserved / GiB:.2f}'} | {plan_peak} | "
@@ -159,7 +159,7 @@ def write_table(results: dict) -> None:
     for kind, result in results.items():
         attention = result.get("attention")  # a run with `--attention`: its own section
         write_section(f"stages_on_device_{kind.split(':')[0]}" + (f"_{attention}" if attention else ""),
-                      f"## The stage chain on a device: {kind.split(' attention=')[0]}"
+                      f"## The stage chain on a device: {result['device']}"
                       + (f", `{attention}` attention" if attention else "") + " (`bench/stages_on_device.py`)\n\n"
                       f"`{result['preset']}` run by `bd_train.stages`' chain, {result['steps']} steps per stage, "
                       f"random weights of its shapes, each stage in its own process (peak: the allocator's, "

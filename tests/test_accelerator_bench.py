@@ -112,7 +112,7 @@ def test_a_devices_chip_is_read_from_its_kind():
     assert device_chip(jax.devices("cpu")[0]) is None and device_chip(kind("NVIDIA H200")) is None
 
 
-def test_stages_on_device_writes_a_loadable_checkpoint_and_renders_a_failed_stage(tmp_path):
+def test_stages_on_device_writes_a_loadable_checkpoint_and_renders_a_failed_stage(tmp_path, capsys):
     """`bench/stages_on_device.py`'s parts that need no accelerator: the random checkpoint of the
     preset's layout (toy sizes here) reads back with its tokenizer's special tokens; the chain's
     preset parses; a stage that ran out of memory is a row of the table, not a lost result."""
@@ -146,4 +146,5 @@ def test_stages_on_device_writes_a_loadable_checkpoint_and_renders_a_failed_stag
     (tmp_path / "preset.json").write_text(json.dumps(data))
     with pytest.raises(SystemExit):
         sod.main(["--stage", "opd", "--attention", "splash", "--work", str(tmp_path)])
-    assert "attention" not in data["student"] and not (tmp_path / "opd.json").exists()
+    assert f"--attention splash but {tmp_path} holds a chain run with None" in capsys.readouterr().err
+    assert not (tmp_path / "opd.json").exists()

@@ -10,9 +10,9 @@ names its first phase, `state`, which also holds whatever the process did before
 rerun restores the finished stages first). A plan (`bd_train.plan`) gives each program's peak;
 these readings are what the whole stage held, its state, evaluation and the adapters' merge
 included, as far as the allocator counts it. A TPU's runtime keeps a compiled program's
-temporaries apart, in its reserved bytes: on a v5e (jax 0.10.2's libtpu) a train step's `peak_bytes_in_use` held its
-arguments and `peak_bytes_reserved` 0.97-0.99 GiB less than the temporaries XLA assigns it
-(SCALING.md), so a TPU's readings carry `reserved_peak_gib` too.
+temporaries apart, in its reserved bytes: on a v5e (jax 0.10.2's libtpu) a train step's
+`peak_bytes_in_use` held its arguments and `peak_bytes_reserved` 0.97-0.99 GiB less than the
+temporaries XLA assigns it (SCALING.md), so a TPU's readings carry `reserved_peak_gib` too.
 """
 
 from __future__ import annotations
