@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -265,3 +266,54 @@ def test_a_group_whose_processes_see_different_run_folders_is_refused_at_the_sta
         assert proc.returncode == 1, err[-2000:]
         assert "run.output_dir: process(es) [1] do not see the folder" in err and "shared storage" in err
         assert "sft-teacher:" not in err  # nothing trained
+
+
+class _Store:
+    """The coordinator's key-value store as the group watch uses it, in memory; `hold_s` holds the
+    watch's next heartbeat that long, as a host paused or starved holds every thread of it."""
+
+    def __init__(self):
+        self.values: dict[str, str] = {}
+        self.hold_s = 0.0
+        self.held_until: float | None = None
+
+    def key_value_set(self, key: str, value: str, allow_overwrite: bool) -> None:
+        if self.hold_s:
+            time.sleep(self.hold_s)
+            self.hold_s, self.held_until = 0.0, time.monotonic()
+        self.values[key] = value
+
+    def key_value_try_get(self, key: str) -> str:
+        if key not in self.values:
+            raise RuntimeError(f"NOT_FOUND: {key}")
+        return self.values[key]
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_held_host_times_the_others_again_and_still_finds_a_silent_one(monkeypatch, held):
+    """Process 1 beat once and then went silent. The watch of process 0 names it lost `lost_after`
+    seconds after its last beat was seen; when process 0 was itself held past that (the whole host
+    paused, process 1 with it), it times process 1's silence again from its waking, so a host's
+    pause is not a lost process, and the silent one is still found."""
+    from jax._src import distributed as jax_distributed
+
+    from bd_train import _distributed
+
+    store, lost = _Store(), []
+    store.values["bdlm/alive/1"] = "1"
+    monkeypatch.setattr(jax_distributed.global_state, "client", store)
+    watch = _distributed._Watch(ProcessGroup("127.0.0.1:1", 2, 0), lost_after=2.0)
+
+    def record(group, who, why):
+        lost.append((who, time.monotonic()))
+        watch.finished.set()  # the watch ends here as `_lost` would end its process
+
+    monkeypatch.setattr(_distributed, "_lost", record)
+    store.hold_s = 3.0 if held else 0.0
+    started = time.monotonic()
+    watch.start()
+    watch.join(timeout=30)
+    assert [who for who, _ in lost] == ["process 1"]
+    silent_from = store.held_until if held else started
+    assert silent_from is not None
+    assert watch.lost_after <= lost[0][1] - silent_from <= 3 * watch.lost_after  # found, and not sooner

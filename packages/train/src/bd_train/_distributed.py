@@ -15,7 +15,10 @@ dies, the service lives on, so the others see process 0 stop beating like any ot
 with bdlm's message (measured: within `lost_after_s` + 1 s), instead of being aborted by their
 JAX clients within a second with JAX's message ("the JAX distributed service detected fatal
 errors"). Only the loss of the service's own process (process 0's host gone, or the service
-killed) still ends the others through JAX's abort. Nothing half-written is ever restored:
+killed) still ends the others through JAX's abort. A process that was itself held longer than half
+of `lost_after_s` (its host paused or starved) times the others' silence again from when it
+wakes, and JAX's timeouts are never below its default 100 s, so a host held for a while
+(for less than that) goes on with its group instead of ending it. Nothing half-written is ever restored:
 checkpoints are atomic. A step that stops making progress while every heartbeat goes on is the
 progress watchdog's (`_watchdog`).
 """
@@ -42,6 +45,9 @@ PROCESS_ID_ENV = "BDLM_PROCESS_ID"
 LOST_AFTER_ENV = "BDLM_LOST_AFTER_S"
 """The environment variable with the seconds after which a silent process counts as lost (default 60)."""
 LOST_AFTER_S = 60.0
+JAX_HEARTBEAT_S = 100
+"""The fewest seconds JAX's coordination service waits for a silent process (its own default) before it aborts the
+group; the watch's `lost_after_s` names a lost process first."""
 JOIN_TIMEOUT_ENV = "BDLM_JOIN_TIMEOUT_S"
 """The environment variable with the seconds every process waits for the others to start (default 300); past it
 JAX ends the process, saying another task died."""
@@ -178,9 +184,10 @@ def initialize(group: ProcessGroup | None = None, *, cpu_devices: int | None = N
     except RuntimeError as err:  # the backend already exists: too late to change the devices
         raise DistributedError(f"initialize must run before any JAX computation in this process ({err})") from None
     if group.num_processes > 1 and not jax.distributed.is_initialized():
-        jax_timeout = int(2 * lost_after) + 10  # JAX's own ends come after the watch's (see the docstring)
+        watch_s = int(2 * lost_after) + 10  # by then the watch has spoken (see the docstring)
+        jax_timeout = max(watch_s, JAX_HEARTBEAT_S)  # JAX's own ends come after the watch's
         if group.process_id == 0:
-            _start_service(group, jax_timeout, timeout_s)
+            _start_service(group, jax_timeout, linger_s=watch_s, timeout_s=timeout_s)
         _connect(group, init_timeout=timeout_s, heartbeat_timeout=jax_timeout)
         _start_watch(group, lost_after)
     return group
@@ -189,14 +196,14 @@ def initialize(group: ProcessGroup | None = None, *, cpu_devices: int | None = N
 _SERVICE: ServiceHost | None = None
 
 
-def _start_service(group: ProcessGroup, jax_timeout: int, timeout_s: int) -> None:
+def _start_service(group: ProcessGroup, jax_timeout: int, *, linger_s: int, timeout_s: int) -> None:
     global _SERVICE
     assert group.coordinator_address is not None
     port = group.coordinator_address.rsplit(":", 1)[1]
     bind_address = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", f"[::]:{port}")  # as JAX binds it
-    # It lingers as long as JAX's heartbeat timeout: by then the others have stopped on the watch.
+    # It lingers until the others have stopped on the watch, and no longer: a restarted group needs the port.
     _SERVICE = ServiceHost.start(bind_address, group.num_processes, heartbeat_s=jax_timeout, shutdown_s=jax_timeout,
-                                 linger_s=jax_timeout, timeout_s=timeout_s)
+                                 linger_s=linger_s, timeout_s=timeout_s)
 
 
 def _connect(group: ProcessGroup, *, init_timeout: int, heartbeat_timeout: int) -> None:
@@ -269,9 +276,15 @@ class _Watch(threading.Thread):
         me, n = self.group.process_id, self.group.num_processes
         last: dict[int, tuple[str | None, float]] = {p: (None, time.monotonic()) for p in range(n) if p != me}
         unreachable_since: float | None = None
-        beat = 0
+        beat, woke = 0, time.monotonic()
         while not self.finished.wait(self.interval):
             now = time.monotonic()
+            if now - woke > self.lost_after / 2:
+                # This process was held itself (its host paused or starved): the others' silence was not
+                # watched, so it is timed again from now rather than blamed on them.
+                last = {p: (seen, now) for p, (seen, _) in last.items()}
+                unreachable_since = None
+            woke = now
             try:
                 beat += 1
                 self.client.key_value_set(f"bdlm/alive/{me}", str(beat), allow_overwrite=True)
