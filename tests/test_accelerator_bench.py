@@ -148,3 +148,35 @@ def test_stages_on_device_writes_a_loadable_checkpoint_and_renders_a_failed_stag
         sod.main(["--stage", "opd", "--attention", "splash", "--work", str(tmp_path)])
     assert f"--attention splash but {tmp_path} holds a chain run with None" in capsys.readouterr().err
     assert not (tmp_path / "opd.json").exists()
+
+
+def test_rollouts_on_device_counts_what_the_sampler_runs_and_renders():
+    """`bench/rollouts_on_device.py` at its small size on a CPU: every row makes the forward passes
+    the roofline counts (the sampler's own NFE); a pass's FLOPs are the model's count of its
+    positions plus attention over the whole cache, its bytes the model's weights, the cache and the
+    logits; the section renders a batch, one that did not fit, and the step's parts."""
+    import rollouts_on_device as rod
+
+    from bd_models import model_flops
+
+    config, rows, cache, b = rod.SMALL, 3, 100, rod.SMALL.block_size
+    flops, nbytes = rod.pass_cost(config, rows, b, cache, head=True)
+    attention = config.n_layers * config.n_heads * rows * b * cache * 4 * config.head_dim
+    assert flops == model_flops(config, (rows, b))["matmul_forward"] + attention
+    head = rows * b * 2 * config.d_model * config.vocab_size
+    assert flops - rod.pass_cost(config, rows, b, cache, head=False)[0] == head
+    weights = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(BlockDiffusionLM(config, key=jax.random.key(0)),
+                                                                eqx.is_array)))
+    kv = 2 * config.n_layers * rows * config.n_kv_heads * config.head_dim * cache * 2  # bfloat16 keys and values
+    kv_and_logits = kv + rows * b * config.vocab_size * 4
+    assert abs(nbytes - kv_and_logits - weights) <= 0.01 * weights  # the norms' scales are not counted
+
+    result = rod.run("small", [2], parts_at=[2])
+    row, part = result["batches"]["2"], result["parts"]["2"]
+    assert row["nfe"] == [sum(rod.forward_passes().values())] == [1 + 128] and row["tokens_per_s"] > 0
+    assert part["step_s"] > 0 and part["forward_s"] > 0 and part["step_flops"] > 0
+    result["batches"]["512"] = {"failed": "RESOURCE_EXHAUSTED: Ran out of memory on HBM"}
+    result["device"] = "tpu: TPU v5 lite"  # a chip whose published figures give a second roofline
+    text = rod.table(result)
+    assert "197 TFLOP/s, 819 GB/s" in text and "| 512 | does not fit: RESOURCE_EXHAUSTED" in text
+    assert text.count("\n| 2 | ") == 2  # the batch's row and its parts' row
