@@ -114,10 +114,12 @@ bench: sync plan-env
 
 # On a machine with an NVIDIA GPU: JAX's CUDA plugin at the pinned jax version goes into .venv
 # (`ACCEL=cuda13` for CUDA 13; default cuda12), then bench/accelerator.py measures the bfloat16
-# 1B-config train step and the Pallas attention kernels against XLA's.
+# 1B-config train step and the Pallas attention kernels against XLA's, and bench/rollouts_on_device.py
+# the sampler's tokens/s on SDAR-1.7B's shapes at 64 to 512 rows against the GPU's measured roofline.
 bench-gpu:
 	$(MAKE) sync ACCEL=$(or $(ACCEL),cuda12)
 	$(RUN) python bench/accelerator.py
+	$(RUN) python bench/rollouts_on_device.py
 
 # The documentation site (mkdocs-material + mkdocstrings, source in docs/, build-time generators in
 # docs_build/), built with --strict: a broken link, a missing page or a reference that does not
