@@ -4,7 +4,7 @@ chunked logits, export — runs every stage to its summary. The released checkpo
 the tiny SDAR-format fixture with a ChatML template, in a Hub cache under the same repo ids
 (offline); only what a CPU cannot run, or would run for hours, is changed: the attention (`pallas`
 is the GPU's kernel), the steps and the batch sizes. The v5e-8 preset is the same recipe with
-TPU's kernels over 8 chips."""
+XLA's `blocked` attention over 8 chips."""
 
 from __future__ import annotations
 
@@ -60,11 +60,11 @@ def test_the_recipe_runs_every_stage_from_hub_ids_with_the_chat_template(hub_cac
 
 
 def test_the_v5e8_preset_is_the_gpu_recipe_on_tpu(hub_cache, monkeypatch):
-    """Only the attention kernels and the mesh differ between the two recipe presets."""
+    """Only the attention and the mesh differ between the two recipe presets."""
     _released(hub_cache)
     monkeypatch.chdir(ROOT)  # the presets' data paths are relative to the repository
     gpu, tpu = (pipeline_config(parse_pipeline_config(path.read_text())).to_dict() for path in (GPU, V5E8))
-    assert (gpu["teacher"]["attention"], tpu["teacher"]["attention"]) == ("pallas", "splash")
+    assert (gpu["teacher"]["attention"], tpu["teacher"]["attention"]) == ("pallas", "blocked")
     assert (gpu["mesh"]["fsdp"], tpu["mesh"]["fsdp"]) == (1, 8)
     for config in (gpu, tpu):
         for role in ("teacher", "student"):

@@ -5,11 +5,13 @@ continues from the checkpoint (data position included) to the uninterrupted resu
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import re
 import shutil
 import signal
 import tomllib
+import weakref
 from pathlib import Path
 
 import equinox as eqx
@@ -55,9 +57,11 @@ def run(tmp_path, monkeypatch):
     return _run(tmp_path)
 
 
-def _drive(run: Run, *, stop_at: int | None = None, fail_after: int | None = None, nan_at: tuple[int, ...] = ()):
+def _drive(run: Run, *, stop_at: int | None = None, fail_after: int | None = None, nan_at: tuple[int, ...] = (),
+           optimizer_state: list | None = None):
     """The student's SFT through `drive`; sends itself SIGTERM during update `stop_at`, and feeds
-    the updates `nan_at` a batch of NaN weights (skipped: nothing changes)."""
+    the updates `nan_at` a batch of NaN weights (skipped: nothing changes); `optimizer_state` gets
+    weak references to the latest update's optimizer state."""
     optimizer = run.optimizer_config(run.config.sft.optim, TOTAL)
     trainer = Trainer(sft_objective, make_optimizer(optimizer))
     keys = run.keys("sft-student", "init", "eval")
@@ -70,7 +74,10 @@ def _drive(run: Run, *, stop_at: int | None = None, fail_after: int | None = Non
         batch = next(data)
         if step in nan_at:
             batch = dataclasses.replace(batch, weights=jnp.full_like(batch.weights, jnp.nan))
-        return trainer.step(state, batch)
+        state, metrics = trainer.step(state, batch)
+        if optimizer_state is not None:
+            optimizer_state[:] = [weakref.ref(x) for x in jax.tree.leaves(state.opt_state)]
+        return state, metrics
 
     pinned = {"identity": run.identity("student"), "training": run.training("sft-student")}
     spec = StageSpec("sft-student", "student", "SFT", TOTAL, pinned,
@@ -122,6 +129,25 @@ def test_skipped_updates_are_counted_and_the_rate_logged_is_the_one_used(run):
     applied = [row["step"] - row["skipped_total"] for row in history]
     assert [row["learning_rate"] for row in history] == [float(schedule(max(a - 1, 0))) for a in applied]
     assert history[-1]["learning_rate"] == float(schedule(TOTAL - 3))  # 8 applied: the 8th's rate
+
+
+def test_the_saved_train_state_is_let_go_before_the_held_out_decoding(run, monkeypatch):
+    """Once trained and saved, a stage's state is let go before its held-out evaluation: the
+    decoding does not hold the optimizer state (nor, under LoRA, the frozen base) beside the
+    merged model, as `bd_train.plan` counts it (`_plan_resident`)."""
+    from bd_train.stages import _driver
+
+    optimizer_state, alive = [], []
+    evaluate_report = _driver.evaluate_report
+
+    def evaluated(*args, **kwargs):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in optimizer_state))
+        return evaluate_report(*args, **kwargs)
+
+    monkeypatch.setattr(_driver, "evaluate_report", evaluated)
+    _drive(run, optimizer_state=optimizer_state)
+    assert optimizer_state and alive == [0]
 
 
 def test_a_fresh_state_compiles_to_the_program_of_its_restored_checkpoint(run):

@@ -155,8 +155,9 @@ Columns (per chip; GiB = 2^30 bytes; nothing here ran on a TPU):
   the logical bytes of their shapes; its temp, marked (rest), is the rest of the total the compiler named.
 - held beside GiB: what the stage holds on the chip while the program runs that is not among its
   arguments: the OPD teacher's weights beside the student's programs (less the LM head its train step
-  takes), the optimizer state beside the rollouts, the train state beside the teacher's forward and the
-  held-out decoding of the merged model, GRPO's reference copy in full fine-tuning; logical bytes.
+  takes), the optimizer state beside the rollouts, the train state beside the teacher's forward and
+  OPD's held-out decoding (its guard decodes during training; other stages let the state go before
+  theirs), GRPO's reference copy in full fine-tuning; logical bytes.
 - peak GiB: arguments + outputs + temp + code (or a refused program's total as the compiler named it) +
   held beside; % of usable HBM: of the HBM libtpu lets one program use, which the verdicts compare against.
 - TFLOP/chip, est. s: XLA's FLOPs and its cost model's time (estimates, not timings) for a twin of the

@@ -9,9 +9,11 @@ As the stages hold them (`bd_train.stages`):
   head, which the step takes as an argument) and held-out decoding;
 - GRPO's KL reference (`beta > 0`) is a copy of the starting weights in full fine-tuning (under
   LoRA it is the adapted model's own base: nothing more);
-- the held-out decoding after training (and the OPD guard's, during it) runs on `merge(model)`:
-  under LoRA new arrays, with the whole train state still held; in full fine-tuning the state's
-  own weights, with the optimizer state beside.
+- the held-out decoding after training runs on `merge(model)` once the train state is saved and
+  let go: beside it only what the stage keeps (OPD's teacher, GRPO's reference copy). The OPD
+  guard's decoding during training holds the whole train state beside `merge(model)` (under LoRA
+  new arrays; in full fine-tuning the state's own weights, with the optimizer state beside), so
+  OPD's held-out decoding counts it.
 
 The train state's figures are the train step's own arguments (`params`, `optimizer`: logical bytes
 per chip), so this is a lower bound of what is held: XLA pads small dimensions on a TPU.
@@ -40,6 +42,7 @@ def held_beside(programs: list[Any], *, lora: bool, teacher: Any = None, head: A
             "teacher forward": weights + optimizer,
             # scoring runs on the reference itself (the copy, or under LoRA the state's own base)
             "reference scoring": optimizer + (weights if not lora else 0),
-            "held-out decoding": optimizer + (weights if lora else 0) + beside_state}
+            # OPD's guard decodes during training too, with the state held; the final decoding does not
+            "held-out decoding": (optimizer + (weights if lora else 0) if teacher is not None else 0) + beside_state}
     # a streamed step's programs take the whole train state, like the step
     return {p.program: held.get(p.program, held["train step"]) for p in programs}

@@ -305,8 +305,9 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             print(f"{spec.name}: evaluating on {len(eval_examples(run))} held-out problems"
                   + (", then exporting" if cfg.run.export else "") + " ...", file=sys.stderr)
             memory.mark("trained")
-            # adapters merged: the model the next stage (and `evaluate`) restores, bit for bit
-            model = merge(state.model)
+            # adapters merged: the model the next stage restores, bit for bit; the saved state let go
+            step, params, model = int(state.step), count_params(state.model), merge(state.model)
+            del state  # (the decoding would hold it beside the merged model)
             memory.mark("merged")
             evaluated = time.perf_counter()
             evaluation = evaluate_report(model, run, key=spec.eval_key,
@@ -315,7 +316,7 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             memory.mark("evaluated")
             export = run.export(model, spec.name, spec.role) if cfg.run.export else None
         log_evaluation(tracker, evaluation, step=spec.total)
-        tracker.summary({f"params_{k}": v for k, v in count_params(state.model).items()})
+        tracker.summary({f"params_{k}": v for k, v in params.items()})
         if memory:  # the accelerator's (a CPU keeps no statistics)
             tracker.summary(memory.summary())
         gain = None
@@ -330,11 +331,11 @@ def drive(run: Run, spec: StageSpec, state: TrainState, step_fn: StepFn, data: A
             tracker.summary({"guard/kept": guard.record()["kept"], "guard/mode": guard.mode})
             if stop:
                 raise guard.stop_error()
-    return StageResult(stage=spec.name, role=spec.role, checkpoint_dir=str(directory), step=int(state.step),
+    return StageResult(stage=spec.name, role=spec.role, checkpoint_dir=str(directory), step=step,
                        identity=spec.fingerprints["identity"].to_json(), history=history, evaluation=evaluation,
                        curves_png=curves_png(history, spec.curves, title=f"{spec.title} ({spec.role})"),
                        wandb_run_dir=str(tracker.run_dir), export_dir=None if export is None else str(export),
-                       params=count_params(state.model), seconds=seconds, memory=dict(memory) or None, gain=gain,
+                       params=params, seconds=seconds, memory=dict(memory) or None, gain=gain,
                        guard=None if guard is None else guard.record(),
                        kept=spec.start if guard is not None and guard.kept_start else None)
 
